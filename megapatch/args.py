@@ -1,0 +1,18 @@
+"""Reading call arguments inside wrapt wrappers without binding a full signature each call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MISSING = object()
+
+
+def argument(args: tuple, kwargs: dict, index: int, name: str, default: Any = _MISSING) -> Any:
+    """The argument passed at position ``index`` or as keyword ``name``."""
+    if len(args) > index:
+        return args[index]
+    if name in kwargs:
+        return kwargs[name]
+    if default is _MISSING:
+        raise TypeError(f"missing argument {name!r}")
+    return default

@@ -1,0 +1,173 @@
+"""FP32 tensor-parallel reductions in megatron-core's own (local, non-TE) layers.
+
+Covers every floating-point reduction over the TP group in ``megatron.core.tensor_parallel``:
+
+* ``mappings._reduce``: the forward all-reduce after row-parallel layers and the vocab-parallel
+  embedding, and the backward all-reduce of ``copy_to_tensor_model_parallel_region``;
+* ``mappings._reduce_scatter_along_first_dim`` (and ``_last_dim``, which calls it): the
+  sequence-parallel reduce-scatter, forward and backward;
+* ``layers.dist_reduce_scatter_func``: the sequence-parallel dgrad reduce-scatter (async);
+* ``torch.distributed.all_reduce`` while ``LinearWithGradAccumulationAndAsyncCommunication`` or
+  ``LinearWithFrozenWeight`` run their backward: the dgrad all-reduce (async and sync). Outside
+  those two backwards the wrapper passes straight through;
+* ``RowParallelLinear.forward`` (mode ``fp32``): the layer's GEMM hands its FP32 accumulator to
+  the reduction, so partial sums are never rounded to BF16; the sum (plus bias) is rounded once.
+
+Integer tensors, FP32 tensors and all-gathers go through upstream untouched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from megapatch import collectives, consistency, fp32_linear, state
+from megapatch.args import argument
+from megapatch.registry import Patch, Target
+
+MAPPINGS = "megatron.core.tensor_parallel.mappings"
+LAYERS = "megatron.core.tensor_parallel.layers"
+LINEAR_FUNCTIONS = ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight")
+
+_in_linear_backward = contextvars.ContextVar("megapatch_in_linear_backward", default=False)
+
+
+def reduction_mode(tensor, group):
+    """The megapatch mode for reducing ``tensor`` over ``group``, or None for upstream's own."""
+    settings = state.current()
+    if settings.tp_reduce_dtype == "native":
+        return None
+    if group is None:
+        group = torch.distributed.group.WORLD
+    if group.size() == 1:
+        return None
+    consistency.ensure_group_agrees(group, settings)
+    if tensor.dtype not in collectives.LOW_PRECISION:
+        return None
+    return settings.tp_reduce_dtype
+
+
+def _reduce(wrapped, instance, args, kwargs):
+    input_, group = argument(args, kwargs, 0, "input_"), argument(args, kwargs, 1, "group")
+    mode = reduction_mode(input_, group)
+    if mode is None:
+        return wrapped(*args, **kwargs)
+    collectives.all_reduce_(input_, group, mode)
+    return input_
+
+
+def _reduce_scatter_along_first_dim(wrapped, instance, args, kwargs):
+    input_, group = argument(args, kwargs, 0, "input_"), argument(args, kwargs, 1, "group")
+    mode = reduction_mode(input_, group)
+    if mode is None:
+        return wrapped(*args, **kwargs)
+    split_sizes = argument(args, kwargs, 2, "input_split_sizes", None)
+    if split_sizes is None:
+        return collectives.reduce_scatter(input_, group, mode)
+    # uneven splits (MoE): upstream's list reduce-scatter over an FP32 copy, rounded once
+    return wrapped(input_.to(torch.float32), group, split_sizes).to(input_.dtype)
+
+
+def _layers_reduce_scatter(wrapped, instance, args, kwargs):
+    output, input_ = argument(args, kwargs, 0, "output"), argument(args, kwargs, 1, "input")
+    op = argument(args, kwargs, 2, "op", torch.distributed.ReduceOp.SUM)
+    group = argument(args, kwargs, 3, "group", None)
+    mode = reduction_mode(input_, group) if op == torch.distributed.ReduceOp.SUM else None
+    if mode is None:
+        return wrapped(*args, **kwargs)
+    return collectives.reduce_scatter_(output, input_, group or torch.distributed.group.WORLD, mode,
+                                       async_op=argument(args, kwargs, 4, "async_op", False))
+
+
+def _dgrad_all_reduce(wrapped, instance, args, kwargs):
+    if not _in_linear_backward.get():
+        return wrapped(*args, **kwargs)
+    tensor = argument(args, kwargs, 0, "tensor")
+    op = argument(args, kwargs, 1, "op", torch.distributed.ReduceOp.SUM)
+    group = argument(args, kwargs, 2, "group", None)
+    mode = reduction_mode(tensor, group) if op == torch.distributed.ReduceOp.SUM else None
+    if mode is None:
+        return wrapped(*args, **kwargs)
+    return collectives.all_reduce_(tensor, group or torch.distributed.group.WORLD, mode,
+                                   async_op=argument(args, kwargs, 3, "async_op", False))
+
+
+def _linear_backward(wrapped, instance, args, kwargs):
+    if state.current().tp_reduce_dtype == "native":
+        return wrapped(*args, **kwargs)
+    token = _in_linear_backward.set(True)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _in_linear_backward.reset(token)
+
+
+def _row_parallel_forward(wrapped, instance, args, kwargs):
+    input_ = argument(args, kwargs, 0, "input_")
+    if (state.current().tp_reduce_dtype != "fp32"
+            or input_.dtype not in collectives.LOW_PRECISION
+            or getattr(instance, "explicit_expert_comm", False)
+            or _tp_group(instance).size() == 1):
+        return wrapped(*args, **kwargs)
+    with fp32_linear.output_dtype(torch.float32):
+        output, output_bias = wrapped(*args, **kwargs)
+    return output.to(input_.dtype), output_bias
+
+
+def _tp_group(layer):
+    group = getattr(layer, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
+
+
+def _linear_functions_probe():
+    """The FP32-output path calls upstream ``forward(ctx, input, weight, ...)`` itself."""
+    from megatron.core.tensor_parallel import layers
+
+    for name in LINEAR_FUNCTIONS:
+        forward = getattr(getattr(layers, name), "forward", None)
+        params = tuple(__import__("inspect").signature(forward).parameters) if forward else ()
+        if params[:3] != ("ctx", "input", "weight"):
+            return f"{LAYERS}.{name}.forward takes {params}, expected (ctx, input, weight, ...)"
+    return None
+
+
+def _backend():
+    from megapatch import fp32_gemm
+
+    mode = state.current().tp_reduce_dtype
+    if mode == "fp32":
+        return f"fp32 wire, FP32 row-parallel accumulator ({fp32_gemm.backend()})"
+    return "activation-dtype wire, FP32 local accumulation"
+
+
+PATCHES = (
+    Patch(
+        name="tp_reduce.megatron_core",
+        option="tp_reduce_dtype",
+        summary="FP32-accumulated TP reductions in megatron.core.tensor_parallel",
+        hook="megatron.core.tensor_parallel",
+        applies=lambda s: s.tp_reduce_dtype in collectives.MODES,
+        probe=_linear_functions_probe,
+        backend=_backend,
+        targets=(
+            Target(MAPPINGS, "_reduce", _reduce, params=("input_", "group")),
+            Target(MAPPINGS, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim,
+                   params=("input_", "group")),
+            Target(LAYERS, "dist_reduce_scatter_func", _layers_reduce_scatter,
+                   params=("output", "input"), rebind_aliases=False),
+            Target("torch.distributed", "all_reduce", _dgrad_all_reduce,
+                   params=("tensor", "op", "group", "async_op"), rebind_aliases=False),
+            *(Target(LAYERS, f"{name}.backward", _linear_backward, kind="staticmethod",
+                     params=("ctx", "grad_output")) for name in LINEAR_FUNCTIONS),
+            *(Target(LAYERS, f"{name}.apply", fp32_linear.apply_wrapper, kind="classmethod")
+              for name in LINEAR_FUNCTIONS),
+            Target(LAYERS, "RowParallelLinear.forward", _row_parallel_forward, kind="method",
+                   params=("self", "input_")),
+        ),
+    ),
+)
