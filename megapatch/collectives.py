@@ -22,8 +22,27 @@ from typing import Callable, Optional
 import torch
 from torch.distributed import distributed_c10d as c10d
 
+from . import consistency, state
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MODES = ("fp32", "fp32-accumulate")
+
+
+def reduction_mode(tensor: torch.Tensor, group) -> Optional[str]:
+    """The megapatch mode for summing ``tensor`` over ``group``, or None to run upstream's own
+    collective (megapatch off, a group of one, or a tensor that is not BF16/FP16). The first call
+    on a group verifies that every rank of the group runs the same settings."""
+    settings = state.current()
+    if settings.tp_reduce_dtype == "native":
+        return None
+    if group is None:
+        group = c10d.group.WORLD
+    if group.size() == 1:
+        return None
+    consistency.ensure_group_agrees(group, settings)
+    if tensor.dtype not in LOW_PRECISION:
+        return None
+    return settings.tp_reduce_dtype
 
 
 class CastBackOnWait:

@@ -66,7 +66,12 @@ def enable(tp_reduce_dtype: Any = None, logits_dtype: Any = None,
         for patch in patches():
             if patch in wanted:
                 _skipped.pop(patch.name, None)
-                _register_hook(patch.hook)
+                if patch.hook in _hooked and patch.hook in sys.modules:
+                    # the hook fired once already and will not fire again: install now
+                    if patch.name not in _installed:
+                        _install(patch, settings.strict)
+                else:
+                    _register_hook(patch.hook)
             elif patch.name in _installed:
                 _uninstall(patch)
         consistency.publish(settings)

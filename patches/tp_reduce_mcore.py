@@ -22,7 +22,7 @@ import contextvars
 
 import torch
 
-from megapatch import collectives, consistency, fp32_linear, state
+from megapatch import collectives, fp32_linear, state
 from megapatch.args import argument
 from megapatch.registry import Patch, Target
 
@@ -33,24 +33,9 @@ LINEAR_FUNCTIONS = ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWi
 _in_linear_backward = contextvars.ContextVar("megapatch_in_linear_backward", default=False)
 
 
-def reduction_mode(tensor, group):
-    """The megapatch mode for reducing ``tensor`` over ``group``, or None for upstream's own."""
-    settings = state.current()
-    if settings.tp_reduce_dtype == "native":
-        return None
-    if group is None:
-        group = torch.distributed.group.WORLD
-    if group.size() == 1:
-        return None
-    consistency.ensure_group_agrees(group, settings)
-    if tensor.dtype not in collectives.LOW_PRECISION:
-        return None
-    return settings.tp_reduce_dtype
-
-
 def _reduce(wrapped, instance, args, kwargs):
     input_, group = argument(args, kwargs, 0, "input_"), argument(args, kwargs, 1, "group")
-    mode = reduction_mode(input_, group)
+    mode = collectives.reduction_mode(input_, group)
     if mode is None:
         return wrapped(*args, **kwargs)
     collectives.all_reduce_(input_, group, mode)
@@ -59,7 +44,7 @@ def _reduce(wrapped, instance, args, kwargs):
 
 def _reduce_scatter_along_first_dim(wrapped, instance, args, kwargs):
     input_, group = argument(args, kwargs, 0, "input_"), argument(args, kwargs, 1, "group")
-    mode = reduction_mode(input_, group)
+    mode = collectives.reduction_mode(input_, group)
     if mode is None:
         return wrapped(*args, **kwargs)
     split_sizes = argument(args, kwargs, 2, "input_split_sizes", None)
@@ -73,7 +58,7 @@ def _layers_reduce_scatter(wrapped, instance, args, kwargs):
     output, input_ = argument(args, kwargs, 0, "output"), argument(args, kwargs, 1, "input")
     op = argument(args, kwargs, 2, "op", torch.distributed.ReduceOp.SUM)
     group = argument(args, kwargs, 3, "group", None)
-    mode = reduction_mode(input_, group) if op == torch.distributed.ReduceOp.SUM else None
+    mode = collectives.reduction_mode(input_, group) if op == torch.distributed.ReduceOp.SUM else None
     if mode is None:
         return wrapped(*args, **kwargs)
     return collectives.reduce_scatter_(output, input_, group or torch.distributed.group.WORLD, mode,
@@ -86,7 +71,7 @@ def _dgrad_all_reduce(wrapped, instance, args, kwargs):
     tensor = argument(args, kwargs, 0, "tensor")
     op = argument(args, kwargs, 1, "op", torch.distributed.ReduceOp.SUM)
     group = argument(args, kwargs, 2, "group", None)
-    mode = reduction_mode(tensor, group) if op == torch.distributed.ReduceOp.SUM else None
+    mode = collectives.reduction_mode(tensor, group) if op == torch.distributed.ReduceOp.SUM else None
     if mode is None:
         return wrapped(*args, **kwargs)
     return collectives.all_reduce_(tensor, group or torch.distributed.group.WORLD, mode,

@@ -1,0 +1,315 @@
+"""CPU workarounds that let *unmodified* megatron-core run on CPU (gloo).
+
+Contract of :func:`cpu_workarounds`:
+
+* Inside the context, the CUDA-only calls listed in :data:`WORKAROUNDS` are
+  redirected to CPU equivalents; on exit every patched attribute is restored
+  to the exact object it was before.
+* It is re-entrant and idempotent: nested ``with cpu_workarounds():`` blocks
+  (or several threads entering it) patch once and restore when the outermost
+  block exits.
+* It never changes numerics: tensors are allocated on CPU with the dtype and
+  shape megatron asked for, and no upstream function under test is replaced.
+  The workarounds act on torch/CUDA primitives and on the RNG tracker only, so
+  patches applied to megatron functions (e.g. ``tensor_parallel.mappings``)
+  by other code still run the upstream bodies.
+
+Scope limit: the redirect of literal ``device="cuda"`` arguments is a
+``TorchFunctionMode``, which is thread-local.  It is active in the thread that
+entered the context (autograd runs CPU backward passes in the calling thread,
+so ``loss.backward()`` is covered); megatron code run on other threads sees
+only the process-wide patches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+__all__ = ["cpu_workarounds", "workarounds_active", "WORKAROUNDS", "Workaround"]
+
+_RANDOM_MODULE = "megatron.core.tensor_parallel.random"
+_CPU_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One attribute replaced for the duration of :func:`cpu_workarounds`.
+
+    ``module``/``attr`` name the patched object (``attr`` may be dotted, e.g.
+    ``"CudaRNGStatesTracker.add"``); ``replaces`` names the upstream CUDA-only
+    call(s) that made the patch necessary; ``make`` builds the replacement from
+    the original attribute.
+    """
+
+    module: str
+    attr: str
+    replaces: str
+    make: Callable[[Any], Any]
+
+
+# --- replacements -------------------------------------------------------------
+
+
+def _cpu_current_device(_original):
+    # Replaces every ``device=torch.cuda.current_device()`` allocation in
+    # megatron-core: GlobalMemoryBuffer.get_tensor (core/utils.py), the
+    # gather/reduce-scatter outputs in tensor_parallel/mappings.py (sequence
+    # parallel, parallel_output=False), the sequence-parallel dgrad buffer
+    # ``sub_grad_input`` and all-gather buffers in tensor_parallel/layers.py,
+    # and the recv/shape buffers in pipeline_parallel/p2p_communication.py.
+    # Upstream returns an int CUDA index; a CPU device works wherever the value
+    # is used as ``device=`` and fails loudly where it is used as an index.
+    import torch
+
+    cpu = torch.device("cpu")
+
+    def current_device():
+        return cpu
+
+    return current_device
+
+
+def _noop_synchronize(_original):
+    # Replaces ``torch.cuda.synchronize()`` in p2p_communication after
+    # ``batch_isend_irecv`` (config.batch_p2p_comm and batch_p2p_sync, both on
+    # by default). On CPU/gloo the work handles' ``wait()`` already completes
+    # the transfers, so there is nothing to synchronize.
+    def synchronize(device=None):
+        return None
+
+    return synchronize
+
+
+def _cpu_get_rng_state(_original):
+    # Replaces random._get_cuda_rng_state (torch.cuda.random.get_rng_state /
+    # torch.cuda.default_generators). Used by CudaRNGStatesTracker.fork,
+    # _get_all_rng_states and activation checkpointing: on CPU every random op
+    # draws from the CPU default generator, so that generator plays the role
+    # of the "current CUDA generator".
+    import torch
+
+    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    return _get_cuda_rng_state
+
+
+def _cpu_set_rng_state(_original):
+    # Replaces random._set_cuda_rng_state (torch.cuda.default_generators[i]
+    # .set_state via torch.cuda._lazy_call). Counterpart of _cpu_get_rng_state.
+    import torch
+
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    return _set_cuda_rng_state
+
+
+def _cpu_tracker_add(_original):
+    # Replaces CudaRNGStatesTracker.add, which seeds through
+    # torch.cuda.get_rng_state()/torch.cuda.manual_seed() instead of the
+    # _get/_set_cuda_rng_state helpers. Same bookkeeping and errors as
+    # upstream; the named state is a CPU generator state seeded with ``seed``,
+    # built on a private generator so the default generator is untouched.
+    import torch
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception('seed {} already exists'.format(seed))
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception('cuda rng state {} already exists'.format(name))
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(seed)
+        self.states_[name] = generator.get_state()
+
+    return add
+
+
+WORKAROUNDS: Tuple[Workaround, ...] = (
+    Workaround(
+        "torch.cuda",
+        "current_device",
+        "torch.cuda.current_device() used as an allocation device",
+        _cpu_current_device,
+    ),
+    Workaround(
+        "torch.cuda",
+        "synchronize",
+        "torch.cuda.synchronize() after batch_isend_irecv in p2p_communication",
+        _noop_synchronize,
+    ),
+    Workaround(
+        _RANDOM_MODULE,
+        "_get_cuda_rng_state",
+        "CUDA generator state read by CudaRNGStatesTracker.fork / checkpointing",
+        _cpu_get_rng_state,
+    ),
+    Workaround(
+        _RANDOM_MODULE,
+        "_set_cuda_rng_state",
+        "CUDA generator state written by CudaRNGStatesTracker.fork / checkpointing",
+        _cpu_set_rng_state,
+    ),
+    Workaround(
+        _RANDOM_MODULE,
+        "CudaRNGStatesTracker.add",
+        "torch.cuda.get_rng_state()/torch.cuda.manual_seed() in CudaRNGStatesTracker.add",
+        _cpu_tracker_add,
+    ),
+)
+
+
+# --- literal device="cuda" ----------------------------------------------------
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    return getattr(device, "type", None) == "cuda"
+
+
+def _make_cuda_literal_mode():
+    """A TorchFunctionMode mapping literal CUDA device arguments to CPU.
+
+    Replaces, in megatron-core 0.16: ``torch.zeros([], ..., device="cuda")``
+    for ``total_num_tokens`` in every schedule of pipeline_parallel/schedules.py,
+    ``torch.ones(..., device="cuda")`` in transformer/utils.get_default_causal_mask,
+    and ``weight.data.cuda()`` in LanguageModule.setup_embeddings_and_output_layer
+    (PP > 1 with shared embeddings).  Only ``device=`` keyword arguments,
+    ``Tensor.cuda()`` and ``Tensor.to("cuda")`` are rewritten; every other
+    call passes through untouched.
+    """
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    cpu = torch.device("cpu")
+
+    class CudaLiteralToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.cuda:
+                return args[0].to(cpu, non_blocking=kwargs.get("non_blocking", False))
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs = dict(kwargs, device=cpu)
+            if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+                args = (args[0], cpu) + tuple(args[2:])
+            return func(*args, **kwargs)
+
+    return CudaLiteralToCpu()
+
+
+class _SuppressCpuRngWarning(logging.Filter):
+    """Drops upstream fork()'s "CPU RNG state changed" warning.
+
+    With the CPU tracker, random ops inside ``fork()`` legitimately advance the
+    CPU generator (which holds the forked named state), so the upstream check
+    that guards against CPU RNG use inside a CUDA fork is meaningless here.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _CPU_RNG_WARNING not in record.getMessage()
+
+
+# --- patch bookkeeping --------------------------------------------------------
+
+
+def _resolve(module_name: str, attr: str) -> Tuple[Any, str]:
+    """Returns (owner object, leaf attribute name) for a dotted ``attr``."""
+    import importlib
+
+    owner = importlib.import_module(module_name)
+    *path, leaf = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, leaf
+
+
+class _PatchState:
+    """Process-wide reference-counted application of :data:`WORKAROUNDS`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.depth = 0
+        self.saved: List[Tuple[Any, str, Any, bool]] = []
+        self.log_filter = _SuppressCpuRngWarning()
+        self.local = threading.local()
+
+    def acquire(self) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self._apply()
+            self.depth += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                self._restore()
+
+    def _apply(self) -> None:
+        try:
+            for workaround in WORKAROUNDS:
+                owner, leaf = _resolve(workaround.module, workaround.attr)
+                had_own = leaf in vars(owner)
+                original = getattr(owner, leaf)
+                self.saved.append((owner, leaf, original, had_own))
+                setattr(owner, leaf, workaround.make(original))
+            logging.getLogger(_RANDOM_MODULE).addFilter(self.log_filter)
+        except BaseException:
+            self._restore()
+            raise
+
+    def _restore(self) -> None:
+        logging.getLogger(_RANDOM_MODULE).removeFilter(self.log_filter)
+        while self.saved:
+            owner, leaf, original, had_own = self.saved.pop()
+            if had_own:
+                setattr(owner, leaf, original)
+            else:
+                delattr(owner, leaf)
+
+
+_STATE = _PatchState()
+
+
+def workarounds_active() -> bool:
+    """True while at least one :func:`cpu_workarounds` context is open."""
+    return _STATE.depth > 0
+
+
+@contextlib.contextmanager
+def _thread_cuda_literal_mode() -> Iterator[None]:
+    """Enters the literal-device mode once per thread (outermost entry only)."""
+    local = _STATE.local
+    depth = getattr(local, "mode_depth", 0)
+    local.mode_depth = depth + 1
+    try:
+        if depth == 0:
+            with _make_cuda_literal_mode():
+                yield
+        else:
+            yield
+    finally:
+        local.mode_depth = depth
+
+
+@contextlib.contextmanager
+def cpu_workarounds() -> Iterator[None]:
+    """Makes real megatron-core run on CPU for the duration of the block.
+
+    Imports ``megatron.core.tensor_parallel.random`` (the RNG patches live
+    there).  Safe to nest and to enter from several threads; everything is
+    restored when the outermost block exits, also on error.
+    """
+    _STATE.acquire()
+    try:
+        with _thread_cuda_literal_mode():
+            yield
+    finally:
+        _STATE.release()

@@ -1,0 +1,401 @@
+"""Spawn one CPU process per rank, run a function under real megatron-core.
+
+Contract of :func:`run_ranks`:
+
+* ``world_size`` processes are started with the multiprocessing *spawn*
+  context (never fork).  Each one sets the ``env`` variables, unpickles the
+  user function *after* that (so the variables are set before the function's
+  module -- and through it megatron -- is imported, unless the parent's
+  ``__main__`` imports megatron itself), limits torch to one thread, joins a
+  gloo process group through a ``FileStore`` in a fresh temporary directory,
+  initialises megatron's ``parallel_state`` and enters
+  :func:`~megapatch.testing.cpu_compat.cpu_workarounds`.
+* ``fn(ctx, *args, **kwargs)`` must be a module-level function (it is pickled
+  by reference) and must return a picklable value.  The parent returns the
+  values in rank order.
+* If a rank raises (or dies), the parent kills every other rank at once and
+  raises :class:`RankFailure` carrying the rank and the child's traceback.  If
+  ranks are still running after ``timeout`` seconds, all are killed and
+  :class:`RankTimeout` names the ranks that did not finish.  All children are
+  reaped before ``run_ranks`` returns or raises; they also die with the parent
+  (``PR_SET_PDEATHSIG`` on Linux, a watchdog thread elsewhere).
+* Each rank tears down ``parallel_state`` and the process group, also on error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+__all__ = ["run_ranks", "reinit_model_parallel", "RankContext", "RankFailure", "RankTimeout"]
+
+_POLL_S = 0.05
+_KILL_GRACE_S = 5.0
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died, or (subclass :class:`RankTimeout`) did not finish.
+
+    ``rank`` is the first rank that failed; ``tracebacks`` maps every rank that
+    reported an error to its formatted traceback text.
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None,
+                 tracebacks: Optional[Dict[int, str]] = None):
+        super().__init__(message)
+        self.rank = rank
+        self.tracebacks = dict(tracebacks or {})
+
+
+class RankTimeout(RankFailure):
+    """Ranks still running at the deadline; ``ranks`` lists them."""
+
+    def __init__(self, message: str, ranks: Sequence[int]):
+        super().__init__(message, rank=min(ranks) if ranks else None)
+        self.ranks = list(ranks)
+
+
+@dataclasses.dataclass
+class RankContext:
+    """What a rank function learns about its place in the job.
+
+    Process groups are the live ``torch.distributed`` groups of this rank
+    (``None`` when megatron's parallel state was not initialised).
+    """
+
+    rank: int
+    world_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    vpp_size: Optional[int] = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_group: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+    tmpdir: str = ""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankSpec:
+    """Everything a child needs, except the user payload (pickled separately)."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    env: Dict[str, str]
+    tmpdir: str
+    timeout_s: float
+    parent_pid: int
+    init_megatron: bool
+    workarounds: bool
+    parallel_kwargs: Dict[str, Any]
+
+
+# --- child side ---------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ensures this child cannot outlive the process that spawned it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL) == 0 and os.getppid() == parent_pid:
+            return
+
+    def watchdog() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watchdog, name="megapatch-parent-watchdog", daemon=True).start()
+
+
+def _report_path(tmpdir: str, rank: int) -> str:
+    return os.path.join(tmpdir, f"rank{rank}.result")
+
+
+def _write_report(tmpdir: str, rank: int, status: str, payload: Any) -> None:
+    """Atomically writes ``(status, payload, time)`` for the parent to read."""
+    path = _report_path(tmpdir, rank)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump((status, payload, time.time()), f)
+    os.replace(tmp, path)
+
+
+def _init_model_parallel(tp: int, pp: int, vpp: Optional[int], extra: Mapping[str, Any]) -> None:
+    """Calls ``initialize_model_parallel`` with the arguments this version takes."""
+    from megatron.core import parallel_state
+
+    params = inspect.signature(parallel_state.initialize_model_parallel).parameters
+    if vpp is not None and "virtual_pipeline_model_parallel_size" not in params:
+        raise TypeError("this megatron-core's initialize_model_parallel takes no "
+                        "virtual_pipeline_model_parallel_size")
+    wanted = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp,
+    }
+    kwargs = {k: v for k, v in wanted.items() if k in params}
+    kwargs.update(extra)
+    parallel_state.initialize_model_parallel(**kwargs)
+
+
+def _megatron_context(ctx: RankContext) -> RankContext:
+    """``ctx`` with the ranks, sizes and groups of megatron's current parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return dataclasses.replace(
+        ctx,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+    )
+
+
+def reinit_model_parallel(ctx: RankContext, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
+                          **parallel_kwargs: Any) -> RankContext:
+    """Re-initialises megatron's parallel state inside a running rank function.
+
+    Every rank must call it with the same arguments (it creates process
+    groups).  Destroys the current ``parallel_state`` (models built under it
+    keep stale groups: build new ones) and returns a context for the new
+    layout.  Lets one spawned job compare several TP/PP layouts without paying
+    the start-up (import) cost of a job per layout.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    _init_model_parallel(tp, pp, vpp, parallel_kwargs)
+    return _megatron_context(ctx)
+
+
+def _teardown(spec: _RankSpec) -> None:
+    """Destroys megatron's parallel state and the process group (idempotent)."""
+    import torch.distributed as dist
+
+    if spec.init_megatron and "megatron.core.parallel_state" in sys.modules:
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_user_fn(spec: _RankSpec, payload: bytes) -> Any:
+    """Initialises the distributed job and calls the user function."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    fn, args, kwargs = pickle.loads(payload)
+    store = dist.FileStore(os.path.join(spec.tmpdir, "store"), spec.world_size)
+    dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=spec.timeout_s))
+    ctx = RankContext(rank=spec.rank, world_size=spec.world_size, tmpdir=spec.tmpdir)
+    if spec.init_megatron:
+        _init_model_parallel(spec.tp, spec.pp, spec.vpp, spec.parallel_kwargs)
+        ctx = _megatron_context(ctx)
+    guard = contextlib.nullcontext()
+    if spec.workarounds:
+        from .cpu_compat import cpu_workarounds
+
+        guard = cpu_workarounds()
+    with guard:
+        return fn(ctx, *args, **kwargs)
+
+
+def _exit_now(code: int) -> None:
+    """Exits without interpreter finalisation (seconds with torch+megatron loaded).
+
+    Only stdio is flushed: ``atexit`` handlers of the rank function do not run.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _rank_main(spec: _RankSpec, payload: bytes) -> None:
+    """Child entry point: run, report ``ok``/``error``, tear down, exit."""
+    _die_with_parent(spec.parent_pid)
+    os.environ.update(spec.env)
+    try:
+        value = _run_user_fn(spec, payload)
+        pickled = pickle.dumps(value)
+    except BaseException:
+        _write_report(spec.tmpdir, spec.rank, "error", traceback.format_exc())
+        try:
+            _teardown(spec)
+        finally:
+            _exit_now(1)
+    try:
+        _teardown(spec)
+    except BaseException:
+        _write_report(spec.tmpdir, spec.rank, "error", "teardown failed:\n" + traceback.format_exc())
+        _exit_now(1)
+    _write_report(spec.tmpdir, spec.rank, "ok", pickled)
+    _exit_now(0)
+
+
+# --- parent side --------------------------------------------------------------
+
+
+def _read_report(tmpdir: str, rank: int):
+    try:
+        with open(_report_path(tmpdir, rank), "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _kill_all(procs: List[multiprocessing.process.BaseProcess]) -> None:
+    """SIGKILLs every live child and reaps all of them."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(_KILL_GRACE_S)
+
+
+def _collect_reports(procs, tmpdir: str, reports: Dict[int, tuple]) -> None:
+    """Adds every final report: an error, a success of an exited rank, or a death.
+
+    The exit code is read *before* the report file, so a rank that wrote its
+    report and then exited is never mistaken for one that died silently.
+    """
+    for r, p in enumerate(procs):
+        if r in reports:
+            continue
+        exitcode = p.exitcode
+        rep = _read_report(tmpdir, r)
+        if rep is None and exitcode is not None:
+            rep = ("died", f"exited with code {exitcode} without reporting", time.time())
+        elif rep is not None and rep[0] == "ok" and exitcode not in (None, 0):
+            rep = ("died", f"exited with code {exitcode} after reporting success", time.time())
+        if rep is not None and (rep[0] != "ok" or exitcode is not None):
+            reports[r] = rep
+
+
+def _failure_from_reports(reports: Dict[int, tuple]) -> Optional[RankFailure]:
+    """Builds the RankFailure naming the earliest failing rank, if any failed."""
+    failed = sorted((r for r, rep in reports.items() if rep[0] != "ok"),
+                    key=lambda r: reports[r][2])
+    if not failed:
+        return None
+    tracebacks = {r: reports[r][1] for r in failed if reports[r][0] == "error"}
+    parts = [f"rank {r} raised:\n{reports[r][1]}" if reports[r][0] == "error"
+             else f"rank {r} {reports[r][1]}" for r in failed]
+    return RankFailure(f"rank {failed[0]} failed\n" + "\n".join(parts), rank=failed[0],
+                       tracebacks=tracebacks)
+
+
+def _wait_for_ranks(procs, tmpdir: str, timeout: float) -> List[Any]:
+    """Polls reports until every rank succeeded; raises on failure or timeout."""
+    deadline = time.monotonic() + timeout
+    reports: Dict[int, tuple] = {}
+    while True:
+        _collect_reports(procs, tmpdir, reports)
+        failure = _failure_from_reports(reports)
+        if failure is not None:
+            _kill_all(procs)
+            raise failure
+        if len(reports) == len(procs):
+            return [pickle.loads(reports[r][1]) for r in range(len(procs))]
+        if time.monotonic() > deadline:
+            pending = [r for r in range(len(procs)) if r not in reports]
+            _kill_all(procs)
+            raise RankTimeout(f"ranks {pending} did not finish within {timeout:g} s "
+                              "(all ranks were killed)", pending)
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
+                                        timeout=_POLL_S)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    timeout: float = 180.0,
+    env: Optional[Mapping[str, str]] = None,
+    init_megatron: bool = True,
+    workarounds: bool = True,
+    parallel_kwargs: Optional[Mapping[str, Any]] = None,
+) -> List[Any]:
+    """Runs ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned CPU ranks.
+
+    ``fn`` must be defined at module level (pickled by reference) and return a
+    picklable value.  ``tp``/``pp``/``vpp`` go to megatron's
+    ``initialize_model_parallel`` (``parallel_kwargs`` adds more of its keyword
+    arguments).  ``init_megatron=False`` gives a bare gloo job (no megatron
+    import, no workarounds); ``workarounds=False`` skips
+    :func:`cpu_workarounds`.  Returns the per-rank values in rank order; raises
+    :class:`RankFailure` / :class:`RankTimeout` as described in the module doc.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    if init_megatron and world_size % (tp * pp) != 0:
+        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
+    payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    tmpdir = tempfile.mkdtemp(prefix="megapatch-ranks-")
+    mp = multiprocessing.get_context("spawn")
+    procs: List[multiprocessing.process.BaseProcess] = []
+    try:
+        for rank in range(world_size):
+            spec = _RankSpec(rank, world_size, tp, pp, vpp, {k: str(v) for k, v in (env or {}).items()},
+                             tmpdir, float(timeout), os.getpid(), init_megatron,
+                             workarounds and init_megatron, dict(parallel_kwargs or {}))
+            proc = mp.Process(target=_rank_main, args=(spec, payload),
+                              name=f"megapatch-rank{rank}", daemon=True)
+            proc.start()
+            procs.append(proc)
+        return _wait_for_ranks(procs, tmpdir, timeout)
+    finally:
+        _kill_all(procs)
+        for p in procs:
+            if p.exitcode is not None:
+                p.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,30 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import megapatch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _megapatch_off_around_each_test(monkeypatch):
+    """Every test starts and ends with megapatch disabled and no MEGAPATCH_* variable set."""
+    for key in list(os.environ):
+        if key.startswith("MEGAPATCH_"):
+            monkeypatch.delenv(key)
+    megapatch.disable()
+    yield
+    megapatch.disable()
+
+
+def run_python(code: str, env: dict = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (clean MEGAPATCH_* environment plus ``env``)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    full_env["PYTHONWARNINGS"] = "ignore"
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)

@@ -1,0 +1,89 @@
+"""Option parsing and every error message a user can get from bad input."""
+
+import pytest
+import torch
+
+import megapatch
+from megapatch import options
+from megapatch.errors import OptionError, OptionUnavailableError
+
+
+def test_defaults_are_native():
+    settings, sources = options.resolve({}, environ={})
+    assert settings == options.NATIVE
+    assert set(sources.values()) == {"default"}
+
+
+@pytest.mark.parametrize("value", ["fp32", "FP32", " float32 ", torch.float32, "torch.float32"])
+def test_fp32_spellings(value):
+    settings, sources = options.resolve({"tp_reduce_dtype": value}, environ={})
+    assert settings.tp_reduce_dtype == "fp32"
+    assert sources["tp_reduce_dtype"] == "enable()"
+
+
+def test_argument_beats_environment_beats_default():
+    env = {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32-accumulate", "MEGAPATCH_STRICT": "0"}
+    settings, sources = options.resolve({"tp_reduce_dtype": "fp32"}, environ=env)
+    assert settings.tp_reduce_dtype == "fp32" and sources["tp_reduce_dtype"] == "enable()"
+    assert settings.strict is False and sources["strict"] == "env MEGAPATCH_STRICT"
+    assert sources["logits_dtype"] == "default"
+
+
+def test_unknown_value_names_option_value_and_choices():
+    with pytest.raises(OptionError) as err:
+        options.resolve({"tp_reduce_dtype": "bf8"}, environ={})
+    message = str(err.value)
+    assert "tp_reduce_dtype='bf8'" in message
+    assert "valid choices: native, fp32, fp32-accumulate" in message
+
+
+def test_unknown_env_value_names_the_variable():
+    with pytest.raises(OptionError) as err:
+        options.resolve({}, environ={"MEGAPATCH_TP_REDUCE_DTYPE": "fp64"})
+    assert "MEGAPATCH_TP_REDUCE_DTYPE='fp64'" in str(err.value)
+    assert "valid choices" in str(err.value)
+
+
+def test_bad_boolean_names_the_variable_and_choices():
+    with pytest.raises(OptionError) as err:
+        options.resolve({}, environ={"MEGAPATCH_STRICT": "maybe"})
+    assert "MEGAPATCH_STRICT='maybe'" in str(err.value) and "valid choices: 1, true" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["fp16", "float16", torch.float16])
+def test_fp16_logits_are_refused_with_the_reason(value):
+    with pytest.raises(OptionError) as err:
+        options.resolve({"logits_dtype": value}, environ={})
+    assert "refused" in str(err.value) and "upstream refuses --output-logit-dtype fp16" in str(err.value)
+
+
+def test_enable_with_bad_value_changes_nothing():
+    megapatch.enable(tp_reduce_dtype="fp32")
+    before = megapatch.status()
+    with pytest.raises(OptionError):
+        megapatch.enable(tp_reduce_dtype="fp32", logits_dtype="fp8")
+    after = megapatch.status()
+    assert after.settings == before.settings and after.active == before.active
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError):
+        megapatch.enable(tp_reduce="fp32")
+
+
+def test_option_without_a_patch_is_not_available_yet(monkeypatch):
+    from megapatch import engine
+
+    kept = tuple(p for p in engine.patches() if p.option != "tp_reduce_dtype")
+    monkeypatch.setattr(engine, "_patches", kept)
+    with pytest.raises(OptionUnavailableError) as err:
+        megapatch.enable(tp_reduce_dtype="fp32")
+    assert "tp_reduce_dtype='fp32'" in str(err.value) and "MEGAPATCH_TP_REDUCE_DTYPE" in str(err.value)
+    assert "not available yet" in str(err.value)
+
+
+def test_disable_env_turns_enable_into_a_no_op(monkeypatch):
+    monkeypatch.setenv("MEGAPATCH_DISABLE", "1")
+    with pytest.warns(UserWarning, match="MEGAPATCH_DISABLE"):
+        status = megapatch.enable(tp_reduce_dtype="fp32")
+    assert not status.enabled and status.active == []
