@@ -60,6 +60,7 @@ def enable(tp_reduce_dtype: Any = None, logits_dtype: Any = None,
                     reasons = _incompatibilities(patch)
                     if reasons:
                         raise _surface_error(patch, reasons)
+        changed = not _enabled or settings != state.current()
         state.set_current(settings)
         _sources = sources
         _enabled = True
@@ -74,7 +75,8 @@ def enable(tp_reduce_dtype: Any = None, logits_dtype: Any = None,
                     _register_hook(patch.hook)
             elif patch.name in _installed:
                 _uninstall(patch)
-        consistency.publish(settings)
+        if changed:
+            consistency.reconfigured(settings)
         return status()
 
 
@@ -87,10 +89,12 @@ def disable() -> Status:
             if patch.name in _installed:
                 _uninstall(patch)
         _skipped.clear()
+        was_enabled = _enabled
         state.set_current(options.NATIVE)
         _sources = {}
         _enabled = False
-        consistency.forget()
+        if was_enabled:
+            consistency.reconfigured(options.NATIVE)
         return status()
 
 

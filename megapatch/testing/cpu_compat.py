@@ -10,9 +10,11 @@ Contract of :func:`cpu_workarounds`:
   block exits.
 * It never changes numerics: tensors are allocated on CPU with the dtype and
   shape megatron asked for, and no upstream function under test is replaced.
-  The workarounds act on torch/CUDA primitives and on the RNG tracker only, so
+  The workarounds act on torch's CUDA entry points and on the RNG tracker, so
   patches applied to megatron functions (e.g. ``tensor_parallel.mappings``)
-  by other code still run the upstream bodies.
+  by other code still run the upstream bodies.  The one wrapped megatron
+  function, ``p2p_communication._batched_p2p_ops``, is a guard: it calls the
+  original unchanged or raises where gloo would mis-deliver messages.
 
 Scope limit: the redirect of literal ``device="cuda"`` arguments is a
 ``TorchFunctionMode``, which is thread-local.  It is active in the thread that
@@ -49,6 +51,7 @@ class Workaround:
     attr: str
     replaces: str
     make: Callable[[Any], Any]
+    optional: bool = False  # skipped when this megatron-core lacks the target
 
 
 # --- replacements -------------------------------------------------------------
@@ -92,7 +95,7 @@ def _cpu_get_rng_state(_original):
     # of the "current CUDA generator".
     import torch
 
-    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    def _get_cuda_rng_state(*_device_clone_graph_safe, **_kwargs):
         return torch.get_rng_state()
 
     return _get_cuda_rng_state
@@ -103,7 +106,7 @@ def _cpu_set_rng_state(_original):
     # .set_state via torch.cuda._lazy_call). Counterpart of _cpu_get_rng_state.
     import torch
 
-    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    def _set_cuda_rng_state(new_state, *_device_graph_safe, **_kwargs):
         torch.set_rng_state(new_state)
 
     return _set_cuda_rng_state
@@ -129,6 +132,29 @@ def _cpu_tracker_add(_original):
         self.states_[name] = generator.get_state()
 
     return add
+
+
+def _guard_batched_p2p(original):
+    # Not a CUDA replacement but a guard: upstream _batched_p2p_ops posts
+    # send_prev, recv_prev, send_next, recv_next in one batch_isend_irecv.
+    # At PP=2 prev and next are the same peer, and gloo matches messages to
+    # one peer in posting order, so the activation lands in the gradient
+    # buffer and vice versa -- silently wrong numerics.  Raise instead; the
+    # unbatched _p2p_ops (batch_p2p_comm=False) is correct on gloo.
+    import functools
+
+    @functools.wraps(original)
+    def _batched_p2p_ops(*args, **kwargs):
+        same_peer = kwargs.get("prev_pipeline_rank") == kwargs.get("next_pipeline_rank")
+        both = lambda a, b: kwargs.get(a) is not None and kwargs.get(b) is not None  # noqa: E731
+        if same_peer and (both("tensor_send_prev", "tensor_send_next")
+                          or both("tensor_recv_prev", "tensor_recv_next")):
+            raise RuntimeError(
+                "batch_p2p_comm=True exchanges two tensors with the same peer (PP=2) in one "
+                "batch; gloo would swap them. Use batch_p2p_comm=False on CPU.")
+        return original(*args, **kwargs)
+
+    return _batched_p2p_ops
 
 
 WORKAROUNDS: Tuple[Workaround, ...] = (
@@ -161,6 +187,13 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
         "CudaRNGStatesTracker.add",
         "torch.cuda.get_rng_state()/torch.cuda.manual_seed() in CudaRNGStatesTracker.add",
         _cpu_tracker_add,
+    ),
+    Workaround(
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "_batched_p2p_ops",
+        "(guard) batch_isend_irecv with two messages to one peer, mis-matched by gloo",
+        _guard_batched_p2p,
+        optional=True,
     ),
 )
 
@@ -219,14 +252,23 @@ class _SuppressCpuRngWarning(logging.Filter):
 # --- patch bookkeeping --------------------------------------------------------
 
 
-def _resolve(module_name: str, attr: str) -> Tuple[Any, str]:
-    """Returns (owner object, leaf attribute name) for a dotted ``attr``."""
+def _resolve(workaround: Workaround) -> Optional[Tuple[Any, str]]:
+    """(owner object, leaf name) of the patch target; None if an optional one is missing."""
     import importlib
 
-    owner = importlib.import_module(module_name)
-    *path, leaf = attr.split(".")
-    for part in path:
-        owner = getattr(owner, part)
+    try:
+        owner = importlib.import_module(workaround.module)
+        *path, leaf = workaround.attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        getattr(owner, leaf)
+    except (ImportError, AttributeError) as exc:
+        if workaround.optional:
+            return None
+        raise RuntimeError(
+            f"cpu_workarounds: cannot patch {workaround.module}.{workaround.attr} "
+            f"(needed for: {workaround.replaces}); this megatron-core version is not "
+            "supported by megapatch.testing") from exc
     return owner, leaf
 
 
@@ -255,7 +297,10 @@ class _PatchState:
     def _apply(self) -> None:
         try:
             for workaround in WORKAROUNDS:
-                owner, leaf = _resolve(workaround.module, workaround.attr)
+                target = _resolve(workaround)
+                if target is None:
+                    continue
+                owner, leaf = target
                 had_own = leaf in vars(owner)
                 original = getattr(owner, leaf)
                 self.saved.append((owner, leaf, original, had_own))

@@ -1,29 +1,31 @@
-"""Spawn one CPU process per rank, run a function under real megatron-core.
+"""Spawn one CPU process per rank and run a function under real megatron-core.
 
 Contract of :func:`run_ranks`:
 
 * ``world_size`` processes are started with the multiprocessing *spawn*
-  context (never fork).  Each one sets the ``env`` variables, unpickles the
-  user function *after* that (so the variables are set before the function's
-  module -- and through it megatron -- is imported, unless the parent's
-  ``__main__`` imports megatron itself), limits torch to one thread, joins a
-  gloo process group through a ``FileStore`` in a fresh temporary directory,
-  initialises megatron's ``parallel_state`` and enters
+  context (never fork).  The ``env`` variables are in each child's
+  environment from interpreter start-up (so ``.pth`` start-up hooks and
+  megatron's import already see them).  Each child limits torch to one
+  thread, joins a gloo process group through a ``FileStore`` in a fresh
+  temporary directory, initialises megatron's ``parallel_state`` and enters
   :func:`~megapatch.testing.cpu_compat.cpu_workarounds`.
 * ``fn(ctx, *args, **kwargs)`` must be a module-level function (it is pickled
-  by reference) and must return a picklable value.  The parent returns the
-  values in rank order.
+  by reference; the child imports its module) and must return a picklable
+  value.  The parent returns the values in rank order.
 * If a rank raises (or dies), the parent kills every other rank at once and
   raises :class:`RankFailure` carrying the rank and the child's traceback.  If
   ranks are still running after ``timeout`` seconds, all are killed and
   :class:`RankTimeout` names the ranks that did not finish.  All children are
-  reaped before ``run_ranks`` returns or raises; they also die with the parent
+  reaped before ``run_ranks`` returns or raises, and they die with the parent
   (``PR_SET_PDEATHSIG`` on Linux, a watchdog thread elsewhere).
-* Each rank tears down ``parallel_state`` and the process group, also on error.
+* Each rank tears down ``parallel_state`` and the process group, also on
+  error, then exits without interpreter finalisation (``atexit`` handlers
+  registered by ``fn`` do not run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import multiprocessing
@@ -37,19 +39,20 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 __all__ = ["run_ranks", "reinit_model_parallel", "RankContext", "RankFailure", "RankTimeout"]
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 5.0
+_ENV_LOCK = threading.Lock()
 
 
 class RankFailure(RuntimeError):
-    """A rank raised, died, or (subclass :class:`RankTimeout`) did not finish.
+    """A rank raised or died; also the base of :class:`RankTimeout`.
 
     ``rank`` is the first rank that failed; ``tracebacks`` maps every rank that
-    reported an error to its formatted traceback text.
+    reported an exception to its formatted traceback text.
     """
 
     def __init__(self, message: str, rank: Optional[int] = None,
@@ -69,10 +72,11 @@ class RankTimeout(RankFailure):
 
 @dataclasses.dataclass
 class RankContext:
-    """What a rank function learns about its place in the job.
+    """Where a rank function runs: global rank and megatron's parallel layout.
 
-    Process groups are the live ``torch.distributed`` groups of this rank
-    (``None`` when megatron's parallel state was not initialised).
+    The groups are this process's live ``torch.distributed`` groups (``None``
+    when megatron's parallel state was not initialised).  ``tmpdir`` is the
+    job's scratch directory, shared by all ranks and removed afterwards.
     """
 
     rank: int
@@ -107,7 +111,6 @@ class _RankSpec:
     tp: int
     pp: int
     vpp: Optional[int]
-    env: Dict[str, str]
     tmpdir: str
     timeout_s: float
     parent_pid: int
@@ -116,41 +119,7 @@ class _RankSpec:
     parallel_kwargs: Dict[str, Any]
 
 
-# --- child side ---------------------------------------------------------------
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ensures this child cannot outlive the process that spawned it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL) == 0 and os.getppid() == parent_pid:
-            return
-
-    def watchdog() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=watchdog, name="megapatch-parent-watchdog", daemon=True).start()
-
-
-def _report_path(tmpdir: str, rank: int) -> str:
-    return os.path.join(tmpdir, f"rank{rank}.result")
-
-
-def _write_report(tmpdir: str, rank: int, status: str, payload: Any) -> None:
-    """Atomically writes ``(status, payload, time)`` for the parent to read."""
-    path = _report_path(tmpdir, rank)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump((status, payload, time.time()), f)
-    os.replace(tmp, path)
+# --- megatron parallel state ----------------------------------------------------
 
 
 def _init_model_parallel(tp: int, pp: int, vpp: Optional[int], extra: Mapping[str, Any]) -> None:
@@ -196,9 +165,9 @@ def reinit_model_parallel(ctx: RankContext, tp: int = 1, pp: int = 1, vpp: Optio
 
     Every rank must call it with the same arguments (it creates process
     groups).  Destroys the current ``parallel_state`` (models built under it
-    keep stale groups: build new ones) and returns a context for the new
-    layout.  Lets one spawned job compare several TP/PP layouts without paying
-    the start-up (import) cost of a job per layout.
+    keep stale groups: build new ones) and returns the context of the new
+    layout.  Lets one job compare several TP/PP layouts without paying the
+    start-up (import) cost of a job per layout.
     """
     from megatron.core import parallel_state
 
@@ -207,20 +176,44 @@ def reinit_model_parallel(ctx: RankContext, tp: int = 1, pp: int = 1, vpp: Optio
     return _megatron_context(ctx)
 
 
-def _teardown(spec: _RankSpec) -> None:
-    """Destroys megatron's parallel state and the process group (idempotent)."""
-    import torch.distributed as dist
+# --- child side -----------------------------------------------------------------
 
-    if spec.init_megatron and "megatron.core.parallel_state" in sys.modules:
-        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ensures this child cannot outlive the process that spawned it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL) == 0 and os.getppid() == parent_pid:
+            return
+    if os.getppid() != parent_pid:  # the parent died before we got here
+        os._exit(1)
+
+    def watchdog() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="megapatch-parent-watchdog", daemon=True).start()
+
+
+def _report_path(tmpdir: str, rank: int) -> str:
+    return os.path.join(tmpdir, f"rank{rank}.result")
+
+
+def _write_report(tmpdir: str, rank: int, status: str, payload: Any) -> None:
+    """Atomically writes ``(status, payload, time)`` for the parent to read."""
+    path = _report_path(tmpdir, rank)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump((status, payload, time.time()), f)
+    os.replace(path + ".tmp", path)
 
 
 def _run_user_fn(spec: _RankSpec, payload: bytes) -> Any:
-    """Initialises the distributed job and calls the user function."""
-    import contextlib
-
+    """Joins the gloo job, sets up megatron and calls the user function."""
     import torch
     import torch.distributed as dist
 
@@ -230,9 +223,10 @@ def _run_user_fn(spec: _RankSpec, payload: bytes) -> Any:
     dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=timedelta(seconds=spec.timeout_s))
     ctx = RankContext(rank=spec.rank, world_size=spec.world_size, tmpdir=spec.tmpdir)
-    if spec.init_megatron:
-        _init_model_parallel(spec.tp, spec.pp, spec.vpp, spec.parallel_kwargs)
-        ctx = _megatron_context(ctx)
+    if not spec.init_megatron:
+        return fn(ctx, *args, **kwargs)
+    _init_model_parallel(spec.tp, spec.pp, spec.vpp, spec.parallel_kwargs)
+    ctx = _megatron_context(ctx)
     guard = contextlib.nullcontext()
     if spec.workarounds:
         from .cpu_compat import cpu_workarounds
@@ -242,11 +236,19 @@ def _run_user_fn(spec: _RankSpec, payload: bytes) -> Any:
         return fn(ctx, *args, **kwargs)
 
 
-def _exit_now(code: int) -> None:
-    """Exits without interpreter finalisation (seconds with torch+megatron loaded).
+def _teardown(spec: _RankSpec) -> None:
+    """Destroys megatron's parallel state and the process group, if they exist."""
+    import torch.distributed as dist
 
-    Only stdio is flushed: ``atexit`` handlers of the rank function do not run.
-    """
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if spec.init_megatron and parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _exit_now(code: int) -> None:
+    """Exits without interpreter finalisation (it takes seconds with torch+megatron)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -256,12 +258,14 @@ def _exit_now(code: int) -> None:
 
 
 def _rank_main(spec: _RankSpec, payload: bytes) -> None:
-    """Child entry point: run, report ``ok``/``error``, tear down, exit."""
+    """Child entry point: run, report ``ok``/``error``, tear down, exit.
+
+    An error is reported *before* teardown, so the parent learns of the real
+    failure before peers fail on the torn-down group.
+    """
     _die_with_parent(spec.parent_pid)
-    os.environ.update(spec.env)
     try:
-        value = _run_user_fn(spec, payload)
-        pickled = pickle.dumps(value)
+        pickled = pickle.dumps(_run_user_fn(spec, payload))
     except BaseException:
         _write_report(spec.tmpdir, spec.rank, "error", traceback.format_exc())
         try:
@@ -277,10 +281,36 @@ def _rank_main(spec: _RankSpec, payload: bytes) -> None:
     _exit_now(0)
 
 
-# --- parent side --------------------------------------------------------------
+# --- parent side ----------------------------------------------------------------
 
 
-def _read_report(tmpdir: str, rank: int):
+@contextlib.contextmanager
+def _child_environment(env: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """Applies ``env`` to ``os.environ`` while children are spawned, then restores it.
+
+    Spawned children copy the parent's environment at creation; this is the
+    only way to have the variables set before the child interpreter starts.
+    ``None`` removes a variable.  Other threads of the parent see the change
+    while the ranks start.
+    """
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        try:
+            for key, value in env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = str(value)
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _read_report(tmpdir: str, rank: int) -> Optional[tuple]:
     try:
         with open(_report_path(tmpdir, rank), "rb") as f:
             return pickle.load(f)
@@ -317,7 +347,7 @@ def _collect_reports(procs, tmpdir: str, reports: Dict[int, tuple]) -> None:
 
 
 def _failure_from_reports(reports: Dict[int, tuple]) -> Optional[RankFailure]:
-    """Builds the RankFailure naming the earliest failing rank, if any failed."""
+    """The RankFailure naming the earliest failing rank, or None if none failed."""
     failed = sorted((r for r, rep in reports.items() if rep[0] != "ok"),
                     key=lambda r: reports[r][2])
     if not failed:
@@ -360,7 +390,7 @@ def run_ranks(
     args: Sequence[Any] = (),
     kwargs: Optional[Mapping[str, Any]] = None,
     timeout: float = 180.0,
-    env: Optional[Mapping[str, str]] = None,
+    env: Optional[Mapping[str, Optional[str]]] = None,
     init_megatron: bool = True,
     workarounds: bool = True,
     parallel_kwargs: Optional[Mapping[str, Any]] = None,
@@ -368,12 +398,16 @@ def run_ranks(
     """Runs ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned CPU ranks.
 
     ``fn`` must be defined at module level (pickled by reference) and return a
-    picklable value.  ``tp``/``pp``/``vpp`` go to megatron's
-    ``initialize_model_parallel`` (``parallel_kwargs`` adds more of its keyword
-    arguments).  ``init_megatron=False`` gives a bare gloo job (no megatron
-    import, no workarounds); ``workarounds=False`` skips
-    :func:`cpu_workarounds`.  Returns the per-rank values in rank order; raises
-    :class:`RankFailure` / :class:`RankTimeout` as described in the module doc.
+    picklable value; ``ctx`` is a :class:`RankContext`.  A script that calls
+    this needs the usual ``if __name__ == "__main__":`` guard (spawn imports
+    the main module in every child).  ``tp``/``pp``/``vpp``
+    go to megatron's ``initialize_model_parallel`` (``parallel_kwargs`` adds
+    more of its keyword arguments).  ``env`` is set in every child from its
+    start (``None`` unsets).  ``init_megatron=False`` gives a bare gloo job (no
+    megatron import, no workarounds); ``workarounds=False`` skips
+    :func:`cpu_workarounds`.  ``timeout`` (seconds) bounds the whole job,
+    start-up included.  Returns the per-rank values in rank order; raises
+    :class:`RankFailure` / :class:`RankTimeout` as the module doc says.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -384,14 +418,15 @@ def run_ranks(
     mp = multiprocessing.get_context("spawn")
     procs: List[multiprocessing.process.BaseProcess] = []
     try:
-        for rank in range(world_size):
-            spec = _RankSpec(rank, world_size, tp, pp, vpp, {k: str(v) for k, v in (env or {}).items()},
-                             tmpdir, float(timeout), os.getpid(), init_megatron,
-                             workarounds and init_megatron, dict(parallel_kwargs or {}))
-            proc = mp.Process(target=_rank_main, args=(spec, payload),
-                              name=f"megapatch-rank{rank}", daemon=True)
-            proc.start()
-            procs.append(proc)
+        with _child_environment(env or {}):
+            for rank in range(world_size):
+                spec = _RankSpec(rank, world_size, tp, pp, vpp, tmpdir, float(timeout), os.getpid(),
+                                 init_megatron, workarounds and init_megatron,
+                                 dict(parallel_kwargs or {}))
+                proc = mp.Process(target=_rank_main, args=(spec, payload),
+                                  name=f"megapatch-rank{rank}", daemon=True)
+                proc.start()
+                procs.append(proc)
         return _wait_for_ranks(procs, tmpdir, timeout)
     finally:
         _kill_all(procs)

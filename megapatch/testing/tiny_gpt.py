@@ -74,6 +74,12 @@ def _tiny_defaults(tp: int, pp: int, vpp: Optional[int], sequence_parallel: bool
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # Megatron-LM's defaults for pipelining (batch_p2p_comm = not
+        # overlap_p2p_comm, overlap only with VPP). Batched p2p must stay off
+        # here anyway: at PP=2 gloo matches the batch's two messages to the
+        # same peer in posting order and swaps activations and gradients.
+        batch_p2p_comm=False,
+        overlap_p2p_comm=vpp is not None,
     )
 
 
@@ -82,10 +88,10 @@ def tiny_gpt_config(tp: int, pp: int = 1, sequence_parallel: bool = False, *,
     """A ``TransformerConfig`` for a tiny bf16 GPT runnable on CPU.
 
     2 layers (or one per pipeline chunk if more are needed), hidden 64, 4
-    heads, FFN 256, bf16 params, CPU initialisation, no dropout and no fused
-    kernels.  ``overrides`` are passed to ``TransformerConfig`` verbatim
-    (an unknown field raises ``TypeError``); defaults this megatron-core
-    version does not know are dropped.
+    heads, FFN 256, bf16 params, CPU initialisation, no dropout, no fused
+    kernels, unbatched p2p (overlapped under VPP).  ``overrides`` go to
+    ``TransformerConfig`` verbatim (an unknown field raises ``TypeError``);
+    defaults this megatron-core version does not know are dropped.
     """
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     fields = {k: v for k, v in _tiny_defaults(tp, pp, vpp, sequence_parallel).items() if k in known}
@@ -183,16 +189,16 @@ def build_tiny_gpt(
 ) -> GPTModel:
     """Builds a ``GPTModel`` with the local (non-TE) layer spec, deterministically.
 
-    With ``config.sequence_parallel`` and no Apex, the spec's torch norms are
-    replaced by :class:`SequenceParallelTorchNorm` (same numerics).
-
     Needs megatron's parallel state.  ``pre_process``/``post_process`` default
     to this rank's pipeline position (of chunk ``vp_stage`` under VPP).
     ``vocab_size`` must be divisible by the TP size.  Seeds megatron's RNG
     tracker (``model_parallel_cuda_manual_seed(seed)``, CPU-backed through
     :func:`cpu_workarounds`) and the CPU generator, then constructs the model
     and casts it to ``config.params_dtype``; extra ``gpt_kwargs`` go to
-    ``GPTModel``.
+    ``GPTModel``.  With ``config.sequence_parallel`` and no Apex, the spec's
+    torch norms become :class:`SequenceParallelTorchNorm` (same numerics).
+    Running the model on CPU needs :func:`cpu_workarounds` active
+    (:func:`~megapatch.testing.run_ranks` enters it for every rank).
     """
     default_pre, default_post = _default_stage_flags(vp_stage)
     kwargs = dict(
