@@ -1,0 +1,194 @@
+"""``megapatch demo``: how much the logits of one tiny GPT drift when only the TP size changes,
+with native BF16 reductions, fp32-accumulate and fp32, on CPU (gloo ranks, real megatron-core).
+
+Two variants of the embedded tiny GPT (2 layers, hidden 64, vocab 128, BF16):
+
+* ``random``: the deterministic random initialisation (same full weights at every TP size);
+* ``outliers``: the same model with planted "massive activations": one token (the "period")
+  drives two MLP neurons of layer 0, held by different TP ranks, that write large and nearly
+  cancelling values into a few hidden dimensions -- the pattern real LLMs show on such tokens,
+  and the one where BF16 partial sums lose the small remainder.
+
+For each variant, mode and TP size it reports, against the same mode at TP=1: KL(p_TP1 || p_TPN),
+mean |delta log p| of the target tokens, max |delta logit|, the fraction of bit-identical logits;
+and the mean |logit error| against an FP32 run of the same (BF16) weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+MODES = ("native", "fp32-accumulate", "fp32")
+VOCAB, SEQ, BATCH, SEED = 128, 32, 4, 1234
+PERIOD = 13  # the planted token
+OUTLIER_DIMS = (5, 21, 38, 50)
+
+
+def _plant_outliers(model, ctx) -> None:
+    """Planted massive activations, identical in the full model at every TP size."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    emb = model.embedding.word_embeddings.weight  # [vocab/TP, hidden]
+    per_rank_vocab = emb.shape[0]
+    mlp = model.decoder.layers[0].mlp
+    fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight  # [ffn/TP, h], [h, ffn/TP]
+    shard = fc1.shape[0]
+    ffn = shard * parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        if tp_rank == PERIOD // per_rank_vocab:
+            emb[PERIOD % per_rank_vocab, 0] = 4.0  # the period token carries dimension 0
+        for neuron, scale in ((3, 64.0), (ffn - 3, -63.5)):  # first and last TP shard
+            if neuron // shard == tp_rank:
+                local = neuron % shard
+                fc1[local, 0] = 2.0
+                for d in OUTLIER_DIMS:
+                    fc2[d, local] = scale
+
+
+def _logits(ctx, variant: str, tp: int) -> torch.Tensor:
+    from megapatch.testing import build_tiny_gpt, gather_tp_logits, make_batch, tiny_gpt_config
+
+    model = build_tiny_gpt(tiny_gpt_config(tp=tp, num_attention_heads=8), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+    if variant == "outliers":
+        _plant_outliers(model, ctx)
+    batch = _batch()
+    with torch.no_grad():
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+    return gather_tp_logits(logits, ctx).float()
+
+
+def _batch():
+    from megapatch.testing import make_batch
+
+    batch = make_batch(seed=5, batch=BATCH, seq_len=SEQ, vocab=VOCAB)
+    batch.tokens[:, 4] = PERIOD
+    batch.tokens[:, 17] = PERIOD
+    return batch
+
+
+def _fp32_reference(ctx, variant: str) -> torch.Tensor:
+    """The same BF16 weights held and run in FP32 at TP=1."""
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+
+    bf16 = build_tiny_gpt(tiny_gpt_config(tp=1, num_attention_heads=8), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+    if variant == "outliers":
+        _plant_outliers(bf16, ctx)
+    config = tiny_gpt_config(tp=1, num_attention_heads=8, params_dtype=torch.float32,
+                             pipeline_dtype=torch.float32, bf16=False)
+    model = build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+    model.load_state_dict(bf16.state_dict())
+    batch = _batch()
+    with torch.no_grad():
+        return model(batch.tokens, batch.position_ids, batch.attention_mask).float()
+
+
+def _rank_job(ctx, tps: List[int], modes: List[str], variants: List[str]):
+    import megapatch
+    from megapatch.testing import reinit_model_parallel
+
+    out: Dict = {}
+    for tp in tps:
+        ctx = reinit_model_parallel(ctx, tp=tp)
+        for mode in modes:
+            megapatch.enable(tp_reduce_dtype=mode)
+            for variant in variants:
+                out[(variant, mode, tp)] = _logits(ctx, variant, tp)
+            megapatch.disable()
+        if ctx.rank == 0:
+            print(f"  TP={tp}: done", flush=True)
+    ctx = reinit_model_parallel(ctx, tp=1)
+    for variant in variants:
+        out[(variant, "fp32-reference", 1)] = _fp32_reference(ctx, variant)
+    return out if ctx.rank == 0 else None
+
+
+def metrics(logits: Dict, labels: torch.Tensor, tps: List[int], modes: List[str],
+            variants: List[str]) -> List[dict]:
+    rows = []
+    for variant in variants:
+        reference = logits[(variant, "fp32-reference", 1)]
+        for mode in modes:
+            base = logits[(variant, mode, 1)]
+            logp_base = torch.log_softmax(base, -1)
+            for tp in tps:
+                here = logits[(variant, mode, tp)]
+                logp = torch.log_softmax(here, -1)
+                kl = (logp_base.exp() * (logp_base - logp)).sum(-1).mean().item()
+                target = lambda lp: lp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                rows.append({
+                    "variant": variant, "mode": mode, "tp": tp,
+                    "kl_vs_tp1": kl,
+                    "mean_abs_dlogp_target": (target(logp_base) - target(logp)).abs().mean().item(),
+                    "max_abs_dlogit": (here - base).abs().max().item(),
+                    "bit_identical": (here == base).float().mean().item(),
+                    "err_vs_fp32": (here - reference).abs().mean().item(),
+                })
+    return rows
+
+
+def format_table(rows: List[dict]) -> str:
+    header = ("variant", "mode", "TP", "KL(TP1||TPN)", "mean|dlogp|", "max|dlogit|", "bit-identical",
+              "mean|err| vs FP32")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['mode']} | {r['tp']} | {r['kl_vs_tp1']:.3e} | "
+                     f"{r['mean_abs_dlogp_target']:.3e} | {r['max_abs_dlogit']:.3e} | "
+                     f"{100 * r['bit_identical']:.1f}% | {r['err_vs_fp32']:.3e} |")
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'megapatch[plot]')", file=sys.stderr)
+        return False
+    variants = sorted({r["variant"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(variants), figsize=(5.5 * len(variants), 4), squeeze=False)
+    for ax, variant in zip(axes[0], variants):
+        for mode, marker in zip(MODES, "osD"):
+            pts = [(r["tp"], r["max_abs_dlogit"]) for r in rows if r["variant"] == variant and r["mode"] == mode]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tensor-parallel size")
+        ax.set_ylabel("max |logit(TP=N) - logit(TP=1)|")
+        ax.set_title(f"tiny GPT ({variant})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def run_demo(args) -> int:
+    from megapatch.testing import make_batch, run_ranks
+
+    tps = [int(t) for t in args.tp.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    variants = ["random", "outliers"]
+    world = max(tps)
+    started = time.time()
+    print(f"megapatch demo: tiny GPT, TP sizes {tps}, modes {modes}, on {world} CPU ranks (gloo)...",
+          flush=True)
+    logits = run_ranks(_rank_job, world_size=world, tp=1, args=(tps, modes, variants), timeout=900)[0]
+    labels = _batch().labels
+    rows = metrics(logits, labels, tps, modes, variants)
+    print()
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    if args.plot and plot(rows, args.plot):
+        print(f"\nplot written to {args.plot}")
+    print(f"\n({time.time() - started:.0f} s)")
+    return 0
