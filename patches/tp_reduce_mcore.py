@@ -109,18 +109,6 @@ def _tp_group(layer):
     return group
 
 
-def _linear_functions_probe():
-    """The FP32-output path calls upstream ``forward(ctx, input, weight, ...)`` itself."""
-    from megatron.core.tensor_parallel import layers
-
-    for name in LINEAR_FUNCTIONS:
-        forward = getattr(getattr(layers, name), "forward", None)
-        params = tuple(__import__("inspect").signature(forward).parameters) if forward else ()
-        if params[:3] != ("ctx", "input", "weight"):
-            return f"{LAYERS}.{name}.forward takes {params}, expected (ctx, input, weight, ...)"
-    return None
-
-
 def _backend():
     from megapatch import fp32_gemm
 
@@ -137,7 +125,6 @@ PATCHES = (
         summary="FP32-accumulated TP reductions in megatron.core.tensor_parallel",
         hook="megatron.core.tensor_parallel",
         applies=lambda s: s.tp_reduce_dtype in collectives.MODES,
-        probe=_linear_functions_probe,
         backend=_backend,
         targets=(
             Target(MAPPINGS, "_reduce", _reduce, params=("input_", "group")),
@@ -149,8 +136,6 @@ PATCHES = (
                    params=("tensor", "op", "group", "async_op"), rebind_aliases=False),
             *(Target(LAYERS, f"{name}.backward", _linear_backward, kind="staticmethod",
                      params=("ctx", "grad_output")) for name in LINEAR_FUNCTIONS),
-            *(Target(LAYERS, f"{name}.apply", fp32_linear.apply_wrapper, kind="classmethod")
-              for name in LINEAR_FUNCTIONS),
             Target(LAYERS, "RowParallelLinear.forward", _row_parallel_forward, kind="method",
                    params=("self", "input_")),
         ),

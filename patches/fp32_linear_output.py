@@ -1,0 +1,38 @@
+"""The shared mechanism behind FP32 row-parallel accumulators and FP32 logits: megatron-core's
+linear autograd Functions return an FP32 output while a caller asks for it
+(``megapatch.fp32_linear.output_dtype``); otherwise they are upstream's, untouched."""
+
+from __future__ import annotations
+
+from megapatch import fp32_linear
+from megapatch.registry import Patch, Target
+
+LAYERS = "megatron.core.tensor_parallel.layers"
+LINEAR_FUNCTIONS = ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight")
+
+
+def _forward_probe():
+    """The FP32-output path calls upstream ``forward(ctx, input, weight, ...)`` itself."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    for name in LINEAR_FUNCTIONS:
+        params = tuple(inspect.signature(getattr(layers, name).forward).parameters)
+        if params[:3] != ("ctx", "input", "weight"):
+            return f"{LAYERS}.{name}.forward takes {params}, expected (ctx, input, weight, ...)"
+    return None
+
+
+PATCHES = (
+    Patch(
+        name="linear.fp32_output",
+        option=None,
+        summary="FP32 outputs of megatron-core linear Functions, on request only",
+        hook="megatron.core.tensor_parallel",
+        applies=lambda s: s.tp_reduce_dtype == "fp32" or s.logits_dtype == "fp32",
+        probe=_forward_probe,
+        targets=tuple(Target(LAYERS, f"{name}.apply", fp32_linear.apply_wrapper, kind="classmethod")
+                      for name in LINEAR_FUNCTIONS),
+    ),
+)

@@ -1,0 +1,119 @@
+"""FP32 LM-head logits: the output layer keeps its GEMM accumulator in FP32 (Megatron-LM PR #6252).
+
+``GPTModel.forward`` (and ``MambaModel.forward`` where the installed version has it) marks its own
+``output_layer`` for the duration of the call; that layer's ``ColumnParallelLinear.forward`` then
+runs upstream's linear autograd Function with an FP32 output (``megapatch.fp32_linear``): TE
+``general_gemm(..., out_dtype=torch.float32)`` where TE and CUDA are there, ``torch.mm(...,
+out_dtype=torch.float32)`` on CUDA, FP32 copies of the BF16 operands on CPU. The backward is
+upstream's, after ``grad_output`` is cast to the input dtype -- the PR's contract.
+
+Where the installed megatron-core already has the PR (``ColumnParallelLinear.output_dtype``),
+nothing is rerouted: the layer's own ``output_dtype`` is set to FP32 for the call.
+
+Every other ColumnParallelLinear (QKV, fc1, MoE, user layers) is untouched: only the instance that
+the running model calls ``output_layer`` is marked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+from megapatch import fp32_gemm, fp32_linear, state
+from megapatch.errors import UnsupportedConfigurationError
+from megapatch.registry import Patch, Target
+
+LAYERS = "megatron.core.tensor_parallel.layers"
+GPT = "megatron.core.models.gpt.gpt_model"
+
+_lm_head = contextvars.ContextVar("megapatch_lm_head", default=None)
+
+
+def _native_output_dtype(layer) -> bool:
+    """Whether this megatron-core has PR #6252's ``ColumnParallelLinear.output_dtype``."""
+    return hasattr(layer, "output_dtype")
+
+
+@contextlib.contextmanager
+def lm_head(layer):
+    """Within this block, ``layer`` (a ColumnParallelLinear) produces FP32 logits when
+    ``logits_dtype="fp32"``. The model wrappers use it; tests and custom models may too."""
+    if state.current().logits_dtype != "fp32":
+        yield
+        return
+    _refuse_unsupported(layer)
+    if _native_output_dtype(layer):
+        previous = layer.output_dtype
+        layer.output_dtype = torch.float32
+        try:
+            yield
+        finally:
+            layer.output_dtype = previous
+        return
+    token = _lm_head.set(layer)
+    try:
+        yield
+    finally:
+        _lm_head.reset(token)
+
+
+def _refuse_unsupported(layer) -> None:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    if not isinstance(layer, ColumnParallelLinear):
+        raise UnsupportedConfigurationError(
+            f"megapatch logits_dtype='fp32': the output layer is a {type(layer).__module__}."
+            f"{type(layer).__qualname__}, not megatron-core's ColumnParallelLinear. Upstream refuses "
+            f"an FP32 output for TE's MXFP8 LM head (TELMHeadColumnParallelLinear) too; use the "
+            f"default output layer, or unset MEGAPATCH_LOGITS_DTYPE.")
+
+
+def _model_forward(wrapped, instance, args, kwargs):
+    layer = getattr(instance, "output_layer", None)
+    if layer is None or state.current().logits_dtype != "fp32":  # not the last stage, or off
+        return wrapped(*args, **kwargs)
+    with lm_head(layer):
+        return wrapped(*args, **kwargs)
+
+
+def _model_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    layer = getattr(instance, "output_layer", None)
+    if layer is not None and state.current().logits_dtype == "fp32":
+        _refuse_unsupported(layer)  # at model construction, before any training step
+
+
+def _column_parallel_forward(wrapped, instance, args, kwargs):
+    if _lm_head.get() is not instance:
+        return wrapped(*args, **kwargs)
+    with fp32_linear.output_dtype(torch.float32):
+        return wrapped(*args, **kwargs)
+
+
+def _backend() -> str:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    import inspect
+
+    if "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters:
+        return "native ColumnParallelLinear.output_dtype (megatron-core has PR #6252)"
+    return f"FP32-output GEMM: {fp32_gemm.backend()}"
+
+
+PATCHES = (
+    Patch(
+        name="logits.fp32_lm_head",
+        option="logits_dtype",
+        summary="FP32 LM-head logits with the GEMM accumulator kept (GPTModel)",
+        hook="megatron.core.models.gpt.gpt_model",
+        applies=lambda s: s.logits_dtype == "fp32",
+        backend=_backend,
+        targets=(
+            Target(GPT, "GPTModel.__init__", _model_init, kind="method"),
+            Target(GPT, "GPTModel.forward", _model_forward, kind="method"),
+            Target(LAYERS, "ColumnParallelLinear.forward", _column_parallel_forward, kind="method",
+                   params=("self", "input_")),
+        ),
+    ),
+)

@@ -1,0 +1,148 @@
+"""FP32 LM-head logits on real megatron-core: exactness (the PR's integer method), the gradient
+contract (bit-identical to native given the same BF16 upstream gradient), accuracy against an
+FP32 reference, TP 1/2/4, sequence parallel, parallel_output, tied embeddings."""
+
+import pytest
+import torch
+
+import megapatch
+from megapatch.errors import UnsupportedConfigurationError
+from megapatch.testing import run_ranks
+
+VOCAB, SEQ = 128, 16
+
+
+def _integer(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, shape, generator=generator).to(torch.bfloat16)
+
+
+def _integer_exact(ctx, ks, gather_output):
+    """The PR's method: BF16 operands holding integers in [-8, 8] with K*64 < 2**24 make every
+    product and partial sum exact in FP32, so FP32 logits must equal an FP32 reference bit for bit."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megapatch.testing import gather_tp_logits
+    from megapatch.patches.logits_fp32 import lm_head
+
+    found = []
+    for k in ks:
+        config = TransformerConfig(num_layers=1, hidden_size=k, num_attention_heads=8,
+                                   tensor_model_parallel_size=ctx.tp_size, params_dtype=torch.bfloat16,
+                                   bf16=True, use_cpu_initialization=True, perform_initialization=False)
+        layer = ColumnParallelLinear(k, 64, config=config, init_method=None, bias=False,
+                                     gather_output=gather_output)
+        with torch.no_grad():
+            layer.weight.copy_(_integer(layer.weight.shape, seed=10 + ctx.tp_rank))
+        x = _integer((5, 2, k), seed=1)  # the LM head's input is replicated over TP
+        full_w = gather_tp_logits(layer.weight.detach().t().contiguous(), ctx).t()
+        reference = x.float() @ full_w.float().t()
+        row = {"k": k}
+        for mode in ("native", "fp32"):
+            megapatch.enable(logits_dtype=mode)
+            with torch.no_grad(), lm_head(layer):
+                out, _ = layer(x)
+            if not gather_output:
+                out = gather_tp_logits(out, ctx)
+            row[mode] = (str(out.dtype), torch.equal(out.float(), reference),
+                         torch.equal(out.float().view(torch.int32), reference.view(torch.int32))
+                         if out.dtype == torch.float32 else False)
+        megapatch.disable()
+        found.append(row)
+    return found
+
+
+@pytest.mark.parametrize("tp,gather_output", [(1, False), (2, False), (2, True)])
+def test_integer_operands_give_fp32_words_equal_to_the_fp32_reference(tp, gather_output):
+    rows = run_ranks(_integer_exact, world_size=tp, tp=tp, args=([512, 2048, 8192], gather_output))
+    for per_rank in rows:
+        for row in per_rank:
+            assert row["fp32"] == ("torch.float32", True, True), row
+            assert row["native"][0] == "torch.bfloat16"
+            assert row["native"][1] is False, row  # BF16 rounding of sums beyond 256: caught
+
+
+def _gpt_contract(ctx, combos):
+    """For each configuration: logits dtype, bit-identical grads given the same BF16 upstream
+    gradient, and errors against an independent oracle of the LM head: the BF16 hidden states
+    and output weight the layer received, all-gathered and multiplied in plain FP32."""
+    import torch.nn.functional as F
+    from megapatch.testing import build_tiny_gpt, gather_tp_logits, make_batch, tiny_gpt_config
+
+    batch = make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB)
+    results = []
+    for sequence_parallel, parallel_output, tied in combos:
+        if sequence_parallel and ctx.tp_size == 1:
+            continue
+        runs = {}
+        for mode in ("native", "fp32"):
+            megapatch.enable(logits_dtype=mode)
+            model = build_tiny_gpt(tiny_gpt_config(tp=ctx.tp_size, sequence_parallel=sequence_parallel),
+                                   vocab_size=VOCAB, seq_len=SEQ, parallel_output=parallel_output,
+                                   share_embeddings_and_output_weights=tied)
+            seen = {}
+
+            def capture(module, args, kwargs):
+                seen["hidden"], seen["weight"] = args[0].detach(), kwargs.get("weight")
+
+            model.output_layer.register_forward_pre_hook(capture, with_kwargs=True)
+            logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+            generator = torch.Generator().manual_seed(99)
+            upstream = torch.randn(logits.shape, generator=generator).to(torch.bfloat16)
+            logits.backward(upstream.to(logits.dtype))  # the same BF16 values for both modes
+            full = logits.detach() if not parallel_output else gather_tp_logits(logits, ctx)
+            hidden = seen["hidden"]
+            if sequence_parallel:
+                hidden = gather_tp_logits(hidden.transpose(0, -1).contiguous(), ctx).transpose(0, -1)
+            weight = seen["weight"] if seen["weight"] is not None else model.output_layer.weight
+            full_w = gather_tp_logits(weight.detach().t().contiguous(), ctx).t()
+            oracle = (hidden.float() @ full_w.float().t()).transpose(0, 1)
+            runs[mode] = {"dtype": str(logits.dtype), "logits": full.float(), "oracle": oracle,
+                          "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+        megapatch.disable()
+        ce = lambda l: F.cross_entropy(l.reshape(-1, VOCAB), batch.labels.reshape(-1), reduction="none")
+        results.append({
+            "combo": (sequence_parallel, parallel_output, tied),
+            **{f"{m}_dtype": runs[m]["dtype"] for m in runs},
+            "grads_identical": all(torch.equal(runs["native"]["grads"][n], runs["fp32"]["grads"][n])
+                                   for n in runs["native"]["grads"]),
+            "err": {m: (r["logits"] - r["oracle"]).abs().max().item() for m, r in runs.items()},
+            "ce_err": {m: (ce(r["logits"]) - ce(r["oracle"])).abs().mean().item() for m, r in runs.items()},
+        })
+    return results if ctx.rank == 0 else None
+
+
+COMBOS = [(sp, po, tied) for sp in (False, True) for po in (True, False) for tied in (False, True)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gpt_fp32_logits_contract_and_accuracy(tp):
+    results = run_ranks(_gpt_contract, world_size=tp, tp=tp, args=(COMBOS,), timeout=600)[0]
+    assert len(results) == (4 if tp == 1 else 8)
+    for r in results:
+        assert r["native_dtype"] == "torch.bfloat16" and r["fp32_dtype"] == "torch.float32", r
+        assert r["grads_identical"], r  # PR #6252's backward contract
+        assert r["err"]["fp32"] < 1e-5 < r["err"]["native"], r  # only FP32 summation order remains
+        assert r["ce_err"]["fp32"] < r["ce_err"]["native"] / 10, r
+
+
+def _unsupported_head(ctx):
+    from megatron.core.models.gpt import GPTModel
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+
+    class MXFP8Head(torch.nn.Module):  # stands in for TE's TELMHeadColumnParallelLinear (CUDA-only)
+        pass
+
+    megapatch.enable(logits_dtype="fp32")
+    model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=VOCAB, seq_len=SEQ)
+    model.output_layer = MXFP8Head()
+    try:
+        model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], None)
+    except UnsupportedConfigurationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_output_layer_other_than_column_parallel_linear_is_refused():
+    message = run_ranks(_unsupported_head, world_size=1)[0]
+    assert "not megatron-core's ColumnParallelLinear" in message and "TELMHeadColumnParallelLinear" in message
