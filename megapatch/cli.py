@@ -10,6 +10,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megapatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="versions, per-patch upstream compatibility, what the environment enables")
+    lock = sub.add_parser("lock", help="compare the installed upstream with the patch-surface lock")
+    lock.add_argument("--update", action="store_true", help="record the installed upstream (after review)")
     demo = sub.add_parser("demo", help="TP-invariance comparison of native vs FP32 reductions on the embedded tiny GPT")
     demo.add_argument("--tp", default="1,2,4,8", help="comma-separated TP sizes (default 1,2,4,8)")
     demo.add_argument("--modes", default="native,fp32-accumulate,fp32")
@@ -23,6 +25,19 @@ def main(argv=None) -> int:
         code, text = diagnose()
         print(text)
         return code
+    if args.command == "lock":
+        from . import lock as surface_lock
+
+        if args.update:
+            for path in surface_lock.update():
+                print(f"wrote {path}")
+            return 0
+        differences, missing = surface_lock.compare()
+        for line in missing + differences:
+            print(line)
+        if not differences and not missing:
+            print("the installed upstream matches the patch-surface lock")
+        return 1 if differences or missing else 0
     if args.command == "demo":
         from .demo import run_demo
 

@@ -46,10 +46,12 @@ class Patch:
     it should be installed; ``probe`` (optional) returns ``None`` when the installed upstream can
     take the patch, else the reason it cannot (checked in addition to the targets' surfaces);
     ``backend`` (optional) says which implementation is in use, for status and doctor.
+    ``watches`` names further upstream symbols (``"module:Qual.name"``) whose code the patch
+    relies on without wrapping them; the patch-surface lock fingerprints them with the targets.
     """
 
     name: str
-    option: str
+    option: Optional[str]
     summary: str
     hook: str
     targets: Tuple[Target, ...]
@@ -57,6 +59,7 @@ class Patch:
     probe: Optional[Callable[[], Optional[str]]] = None
     backend: Optional[Callable[[], str]] = None
     package: str = "megatron-core"
+    watches: Tuple[str, ...] = ()
 
 
 def discover() -> Tuple[Patch, ...]:

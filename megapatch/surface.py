@@ -70,7 +70,7 @@ def problems(target: Target, import_module: bool = False) -> List[str]:
     except ImportError as exc:
         return [f"cannot import {target.module}: {exc}"]
     found: List[str] = []
-    kind = _kind_of(owner, raw)
+    kind = _kind_of(owner, raw) if target.kind != "any" else "any"
     if getattr(raw, "_self_megapatch", None) is not None:
         kind = target.kind  # our own wrapper stands there (already installed): its kind is ours
     if kind != target.kind:

@@ -32,6 +32,7 @@ PATCHES = (
         hook="megatron.core.tensor_parallel",
         applies=lambda s: s.tp_reduce_dtype == "fp32" or s.logits_dtype == "fp32",
         probe=_forward_probe,
+        watches=tuple(f"{LAYERS}:{name}.forward" for name in LINEAR_FUNCTIONS),
         targets=tuple(Target(LAYERS, f"{name}.apply", fp32_linear.apply_wrapper, kind="classmethod")
                       for name in LINEAR_FUNCTIONS),
     ),

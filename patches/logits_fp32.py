@@ -109,6 +109,7 @@ PATCHES = (
         hook="megatron.core.models.gpt.gpt_model",
         applies=lambda s: s.logits_dtype == "fp32",
         backend=_backend,
+        watches=(f"{GPT}:GPTModel._postprocess", f"{LAYERS}:ColumnParallelLinear.__init__"),
         targets=(
             Target(GPT, "GPTModel.__init__", _model_init, kind="method"),
             Target(GPT, "GPTModel.forward", _model_forward, kind="method"),
