@@ -94,4 +94,7 @@ def apply_wrapper(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     if dtype != torch.float32 or kwargs:
         raise UpstreamSurfaceError(f"megapatch: unsupported linear output request {dtype}, {kwargs}")
-    return FP32OutputLinear.apply(instance, *args)
+    # wrapt passes the class as `instance` for a Python classmethod; torch >= 2.14 defines
+    # Function.apply in C, where the bound method's __self__ is the class
+    upstream = instance if isinstance(instance, type) else wrapped.__self__
+    return FP32OutputLinear.apply(upstream, *args)

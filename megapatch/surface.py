@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import inspect
 import sys
+import types
 from typing import Any, List, Optional, Tuple
 
 from .registry import Target
@@ -43,8 +44,8 @@ def resolve(target: Target, import_module: bool = False) -> Tuple[Any, str, Any]
 def _kind_of(owner: Any, raw: Any) -> str:
     if isinstance(raw, staticmethod):
         return "staticmethod"
-    if isinstance(raw, classmethod):
-        return "classmethod"
+    if isinstance(raw, (classmethod, types.ClassMethodDescriptorType)):
+        return "classmethod"  # torch >= 2.14 defines Function.apply in C: a classmethod_descriptor
     if inspect.isclass(owner):
         return "method" if callable(raw) else "attribute"
     return "function" if callable(raw) else "attribute"

@@ -234,6 +234,9 @@ def resolve_attr(src: Sources, module: str, attr: str):
     if hit is None:
         return f"{module}.{first} does not exist", None
     owner_module, node = hit
+    if owner_module == "<unresolved>":
+        return (f"{module}.{first} is imported (line {node.lineno}) but not defined where it is "
+                f"imported from"), None
     if not rest:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return "function", node
@@ -689,6 +692,10 @@ def ensure_wheels(versions: Dict[str, str], dest: Optional[str] = None, fetch: b
     every wheel's sha256 must be the claimed one. Raises RuntimeError naming what failed."""
     dest = dest or cache_dir()
     paths = {v: os.path.join(dest, wheel_name(v)) for v in versions}
+    if fetch:  # a partial or stale download is fetched again
+        for version, path in paths.items():
+            if os.path.exists(path) and sha256(path) != versions[version]:
+                os.remove(path)
     missing = [v for v, p in paths.items() if not os.path.exists(p)]
     if missing and not fetch:
         raise RuntimeError(f"no cached wheel for TE {', '.join(missing)} in {dest} "

@@ -9,9 +9,9 @@ what is built on them: ``te.TransformerLayer``, megatron-core's ``TELinear`` fam
 * ``reduce_scatter_along_first_dim``: the same two with sequence parallelism (the output is
   allocated in the input's dtype, as TE does; ``output=`` of TE >= 2.19 is honoured);
 * ``symmetric_all_reduce`` (``symmetric_ar_type`` set): the row-parallel forward is summed by
-  megapatch's FP32 all-reduce instead of the symmetric-memory kernel, whose reduction runs in the
-  activation dtype -- same result contract (in place, ``(inp, None)``), the speed of the
-  symmetric kernel is given up;
+  megapatch's FP32 all-reduce instead of the symmetric-memory kernel (which reduces a buffer of
+  the activation dtype) -- same result contract (in place, ``(inp, None)``); the speed of the
+  symmetric kernel is given up, and a warning says so once;
 * ``general_gemm`` (mode ``fp32``): while a row-parallel layer runs its forward (a context variable
   set by the wrapped ``<Layer>.forward``), its fprop GEMM returns the FP32 accumulator; the
   reduction above sums it in FP32 and returns it rounded once to the activation dtype (TE adds the
@@ -40,6 +40,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -165,6 +166,13 @@ def _layer_forward(layer: Layer):
                 f"unreduced. Transformer Engine's row-parallel forward changed. Installed: "
                 f"{describe_versions()}. Use tp_reduce_dtype='fp32-accumulate' (no GEMM change) or "
                 f"'native'.")
+        out = result[0] if isinstance(result, (tuple, list)) else result
+        if ctx is not None and ctx.intercepted and getattr(out, "dtype", None) == torch.float32:
+            raise UpstreamSurfaceError(
+                f"megapatch: {ctx.layer}.forward returned float32 after its fprop GEMM was switched to "
+                f"an FP32 accumulator (activation dtype {ctx.dtype}): Transformer Engine's row-parallel "
+                f"forward changed. Installed: {describe_versions()}. Use "
+                f"tp_reduce_dtype='fp32-accumulate' or 'native'.")
         return result
 
     forward.__name__ = forward.__qualname__ = f"{layer.cls}_forward"
@@ -197,7 +205,7 @@ def _refuse_unsupported(instance, layer: Layer, mode: str) -> None:
 
 
 def _using_cublasmp() -> bool:
-    base = importlib.import_module(f"{TE}.module.base")
+    base = sys.modules.get(f"{TE}.module.base")
     probe = getattr(base, "using_cublasmp_backend", None)  # TE >= 2.17
     return bool(probe()) if probe is not None else False
 
