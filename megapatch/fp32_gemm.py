@@ -74,7 +74,9 @@ def linear_fp32(input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.mm(input_2d, weight.t(), out_dtype=torch.float32)
     else:
         out = torch.mm(input_2d.to(torch.float32), weight.t().to(torch.float32))
-    return out.view(*input_.shape[:-1], weight.shape[0])
+    # not a view: callers (megatron's cross entropy) modify FP32 logits in place, which autograd
+    # refuses for a view created inside a custom Function
+    return torch.ops.aten._unsafe_view(out, (*input_.shape[:-1], weight.shape[0]))
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ import contextvars
 import torch
 
 from megapatch import fp32_gemm, fp32_linear, state
-from megapatch.errors import UnsupportedConfigurationError
+from megapatch.errors import UnsupportedConfigurationError, UpstreamSurfaceError
+from megapatch.versions import describe_versions
 from megapatch.registry import Patch, Target
 
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -52,11 +53,26 @@ def lm_head(layer):
         finally:
             layer.output_dtype = previous
         return
-    token = _lm_head.set(layer)
+    marker = _Marked(layer)
+    token = _lm_head.set(marker)
     try:
         yield
     finally:
         _lm_head.reset(token)
+    if marker.calls == 0 and getattr(layer, "_megapatch_expect_call", True):
+        raise UpstreamSurfaceError(
+            f"megapatch logits_dtype='fp32': the model ran without calling its output layer "
+            f"through ColumnParallelLinear.forward, so its logits were not computed in FP32 "
+            f"(the upstream model forward changed). Installed: {describe_versions()}")
+
+
+class _Marked:
+    """The output layer marked for this model call, and how often it ran in FP32."""
+
+    __slots__ = ("layer", "calls")
+
+    def __init__(self, layer):
+        self.layer, self.calls = layer, 0
 
 
 def _refuse_unsupported(layer) -> None:
@@ -86,8 +102,10 @@ def _model_init(wrapped, instance, args, kwargs):
 
 
 def _column_parallel_forward(wrapped, instance, args, kwargs):
-    if _lm_head.get() is not instance:
+    marker = _lm_head.get()
+    if marker is None or marker.layer is not instance:
         return wrapped(*args, **kwargs)
+    marker.calls += 1
     with fp32_linear.output_dtype(torch.float32):
         return wrapped(*args, **kwargs)
 
@@ -105,14 +123,25 @@ PATCHES = (
     Patch(
         name="logits.fp32_lm_head",
         option="logits_dtype",
-        summary="FP32 LM-head logits with the GEMM accumulator kept (GPTModel)",
-        hook="megatron.core.models.gpt.gpt_model",
+        summary="FP32 LM-head logits with the GEMM accumulator kept (GPTModel marks its output layer)",
+        hook=GPT,
         applies=lambda s: s.logits_dtype == "fp32",
         backend=_backend,
         watches=(f"{GPT}:GPTModel._postprocess", f"{LAYERS}:ColumnParallelLinear.__init__"),
         targets=(
             Target(GPT, "GPTModel.__init__", _model_init, kind="method"),
             Target(GPT, "GPTModel.forward", _model_forward, kind="method"),
+        ),
+    ),
+    # separate hook: ColumnParallelLinear is imported long before (or without) GPTModel; if this
+    # half is missing, the marking half raises instead of returning BF16 logits
+    Patch(
+        name="logits.fp32_output_layer",
+        option="logits_dtype",
+        summary="the marked output layer computes its logits in FP32",
+        hook="megatron.core.tensor_parallel",
+        applies=lambda s: s.logits_dtype == "fp32",
+        targets=(
             Target(LAYERS, "ColumnParallelLinear.forward", _column_parallel_forward, kind="method",
                    params=("self", "input_")),
         ),

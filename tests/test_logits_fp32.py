@@ -146,3 +146,47 @@ def _unsupported_head(ctx):
 def test_an_output_layer_other_than_column_parallel_linear_is_refused():
     message = run_ranks(_unsupported_head, world_size=1)[0]
     assert "not megatron-core's ColumnParallelLinear" in message and "TELMHeadColumnParallelLinear" in message
+
+
+def _megatron_loss_backward(ctx):
+    """megatron's own vocab-parallel cross entropy modifies FP32 logits in place: the FP32 output
+    must not be a view created inside the autograd Function (PR #6252 on main has that bug)."""
+    from megapatch.testing import build_tiny_gpt, make_batch, tiny_gpt_config
+
+    batch = make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB)
+    losses = {}
+    for mode in ("native", "fp32"):
+        megapatch.enable(logits_dtype=mode)
+        model = build_tiny_gpt(tiny_gpt_config(tp=ctx.tp_size), vocab_size=VOCAB, seq_len=SEQ)
+        loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+        loss.float().mean().backward()
+        losses[mode] = (str(loss.dtype), loss.float().mean().item(),
+                        all(p.grad is not None for p in model.parameters()))
+    megapatch.disable()
+    return losses
+
+
+def test_megatron_cross_entropy_trains_on_fp32_logits():
+    out = run_ranks(_megatron_loss_backward, world_size=2, tp=2)[0]
+    assert out["fp32"][2] and out["native"][2]
+    assert abs(out["fp32"][1] - out["native"][1]) < 1e-2
+
+
+def test_the_marked_layer_must_run_or_the_model_call_fails():
+    """If the output layer's half of the patch were missing, marking raises instead of BF16."""
+    out = run_ranks(_unmarked_call, world_size=1)[0]
+    assert "ran without calling its output layer" in out
+
+
+def _unmarked_call(ctx):
+    from megapatch.patches.logits_fp32 import lm_head
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+
+    megapatch.enable(logits_dtype="fp32")
+    model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=VOCAB, seq_len=SEQ)
+    try:
+        with lm_head(model.output_layer):
+            pass  # e.g. an upstream forward that computes logits some other way
+    except Exception as exc:  # UpstreamSurfaceError
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
