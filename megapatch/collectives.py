@@ -94,7 +94,10 @@ def all_reduce_(tensor: torch.Tensor, group, mode: str, async_op: bool = False):
         work = c10d.all_to_all_single(recv, send, group=group, async_op=async_op)
 
         def finish():
-            shard = recv.view(world, -1).to(torch.float32).sum(dim=0).to(tensor.dtype)
+            shard = torch.sum(recv.view(world, -1), dim=0, dtype=torch.float32).to(tensor.dtype)
+            if send.data_ptr() == tensor.data_ptr():  # contiguous, no padding: gather in place
+                c10d.all_gather_into_tensor(send, shard, group=group)
+                return
             gathered = torch.empty_like(send)
             c10d.all_gather_into_tensor(gathered, shard, group=group)
             tensor.copy_(gathered[: flat.numel()].view_as(tensor))
@@ -118,7 +121,7 @@ def reduce_scatter_(output: torch.Tensor, input_: torch.Tensor, group, mode: str
         work = c10d.all_to_all_single(recv, input_.contiguous(), group=group, async_op=async_op)
 
         def finish():
-            output.copy_(recv.view(world, *output.shape).to(torch.float32).sum(dim=0))
+            output.copy_(torch.sum(recv.view(world, *output.shape), dim=0, dtype=torch.float32))
 
         return _done(finish, work, async_op)
     raise ValueError(f"unknown tp_reduce_dtype mode {mode!r}; valid: {', '.join(MODES)}")
