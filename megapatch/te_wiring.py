@@ -23,7 +23,7 @@ itself (``megapatch.patches.tp_reduce_te``): its ``PATCHES`` targets and its dec
 * no other TE module imports the reduce helpers, except those listed in ``NOT_WRAPPED``.
 
 Used by ``tests/test_tp_reduce_te_wiring.py`` and ``tools/te_wiring_check.py`` for every claimed
-release (``tests/data/te_wiring/versions.json``), and by the patch's probe against the installed TE.
+release (``megapatch/te_wiring_versions.json``), and by the patch's probe against the installed TE.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ PKG = "transformer_engine/pytorch"
 DIST = "transformer-engine"
 CACHE_ENV = "MEGAPATCH_TE_SRC_CACHE"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megapatch", "te-src")
-VERSIONS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             "tests", "data", "te_wiring", "versions.json")
+VERSIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_wiring_versions.json")
 TORCH_SUMS = {"all_reduce", "reduce_scatter_tensor", "reduce_scatter", "_reduce_scatter_base",
               "all_reduce_coalesced", "reduce_scatter_tensor_coalesced"}
 _NOT_SUM_OPS = ("MAX", "MIN", "BAND", "BOR", "BXOR")
@@ -714,7 +713,7 @@ def ensure_wheels(versions: Dict[str, str], dest: Optional[str] = None, fetch: b
         found = sha256(path)
         if found != versions[version]:
             raise RuntimeError(f"{path}: sha256 {found}, expected {versions[version]} "
-                               f"(tests/data/te_wiring/versions.json)")
+                               f"(megapatch/te_wiring_versions.json)")
     return paths
 
 

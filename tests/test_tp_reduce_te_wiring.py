@@ -2,7 +2,7 @@
 
 1. Static wiring, every claimed TE release (runs everywhere; never skipped): the Python sources of
    ``transformer_engine-<v>-py3-none-any.whl`` for every version in
-   ``tests/data/te_wiring/versions.json`` are checked with ``megapatch.te_wiring.check``, driven
+   ``megapatch/te_wiring_versions.json`` are checked with ``megapatch.te_wiring.check``, driven
    by the patch's own ``PATCHES`` targets and declared wiring. The wheels are downloaded into
    ``~/.cache/megapatch/te-src`` when missing (~15 MB, seconds); a failed download fails the test.
    The check itself is tested: edits of the 2.20.2 sources that break what a wrapper relies on

@@ -2,7 +2,7 @@
 """Check, statically, that every claimed Transformer Engine release is wired as megapatch's TE
 patch (patches/tp_reduce_te.py) relies on.
 
-For each release in tests/data/te_wiring/versions.json it reads the Python sources of
+For each release in megapatch/te_wiring_versions.json it reads the Python sources of
 ``transformer_engine-<version>-py3-none-any.whl`` (~1 MB, sources only; no TE install, no GPU)
 with ``ast`` and runs ``megapatch.te_wiring.check`` (see that module for what is checked).
 
