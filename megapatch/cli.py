@@ -12,6 +12,7 @@ def main(argv=None) -> int:
     sub.add_parser("doctor", help="versions, per-patch upstream compatibility, what the environment enables")
     lock = sub.add_parser("lock", help="compare the installed upstream with the patch-surface lock")
     lock.add_argument("--update", action="store_true", help="record the installed upstream (after review)")
+    lock.add_argument("--lock-dir", default=None, help="where the lock lives (default: inside the package)")
     demo = sub.add_parser("demo", help="TP-invariance comparison of native vs FP32 reductions on the embedded tiny GPT")
     demo.add_argument("--tp", default="1,2,4,8", help="comma-separated TP sizes (default 1,2,4,8)")
     demo.add_argument("--modes", default="native,fp32-accumulate,fp32")
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     if args.command == "lock":
         from . import lock as surface_lock
 
+        if args.lock_dir:
+            surface_lock.LOCK_DIR = args.lock_dir
         if args.update:
             for path in surface_lock.update():
                 print(f"wrote {path}")

@@ -1,0 +1,305 @@
+"""align_fp8_transposes on REAL megatron-core (CPU, gloo): interleaved schedule, real DDP.
+
+One 2-rank job (PP=2, VPP=2, DP=1, 4 microbatches, G=2) runs, from the same seeds, several
+configurations in a loop: unpatched ("lazy") and patched ("aligned") with Megatron-LM's
+``config.param_sync_func = [chunk.start_param_sync for chunk in model]``; both with
+``param_sync_func=None``; a forward-only pass; and the non-interleaved schedule (no VPP).
+Everything is real megatron-core (``GPTModel`` local spec, ``DistributedDataParallel`` with
+``use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True,
+align_param_gather=True`` per chunk; its async all-gathers are real, also at DP=1), except:
+
+* STAND-IN FOR FP8 (there is no FP8 tensor on CPU): after DDP is built,
+  ``param_and_grad_buffer.post_all_gather_processing`` (the name upstream's
+  ``finish_param_sync`` dispatches to with the params ``is_float8tensor`` selects) is replaced by
+  a recorder, and ``param_and_grad_buffer.is_float8tensor`` answers True for the model's
+  parameters, so upstream's real dispatch runs. Both are restored after each configuration.
+* INSTRUMENTATION: ``param_and_grad_buffer.dist_all_gather_func`` is wrapped to count
+  all-gathers, ``_ParamAndGradBucketGroup.finish_param_sync`` to record calls that found a gather
+  in flight while a forward step was running (= the DDP forward pre-hook). Restored afterwards.
+* the distributed optimizer is an SGD step on each bucket's shard (it does not build on CPU).
+
+Slot of an event on PP rank r: before this rank's first forward step (the schedule's up-front
+``param_sync_func`` calls, which precede the first pipeline receive) it is 0; during or right
+before local forward step v it is v + r (the rank-0 clock). The aligned slot of chunk c is
+T_c = c * G. No CPU workaround beyond ``megapatch.testing.cpu_workarounds`` is needed.
+"""
+
+import pytest
+
+from megapatch.testing import run_ranks
+
+PP, VPP, MICROBATCHES, GROUP, ITERS = 2, 2, 4, 2, 2
+SEQ, MICRO_BATCH, VOCAB, LR = 16, 2, 64, 0.05
+
+
+class _Rec:
+    def __init__(self):
+        self.events, self.fwd_next, self.in_fwd, self.it, self.pp_rank = [], 0, None, 0, 0
+
+    def slot(self):
+        if self.in_fwd is not None:
+            return self.in_fwd + self.pp_rank
+        return 0 if self.fwd_next == 0 else self.fwd_next + self.pp_rank
+
+
+def _install_stand_ins(rec, model):
+    """FP8 stand-in + instrumentation (see module docstring). Returns a restore function."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    owner = {}
+    for c, ddp in enumerate(model):
+        for g, bg in enumerate(ddp.bucket_groups + ddp.expert_parallel_bucket_groups):
+            bg._test_id = (c, g)
+            for p in bg.params:
+                owner[id(p)] = (c, g)
+    saved = dict(post=pgb.post_all_gather_processing, isf8=pgb.is_float8tensor,
+                 ag=pgb.dist_all_gather_func, finish=pgb._ParamAndGradBucketGroup.finish_param_sync)
+
+    def post_all_gather_processing(model_params):  # STAND-IN for TE's FP8 transpose creation
+        c, g = owner[id(model_params[0])]
+        rec.events.append(dict(kind="process", it=rec.it, chunk=c, bg=g, slot=rec.slot()))
+
+    def is_float8tensor(t):  # STAND-IN: "these weights are FP8 params"
+        return id(t) in owner
+
+    def dist_all_gather_func(*a, **k):
+        rec.events.append(dict(kind="all_gather", it=rec.it))
+        return saved["ag"](*a, **k)
+
+    def finish_param_sync(self, skip_next_bucket_dispatch=False):
+        if self.param_gather_handle is not None and rec.in_fwd is not None:
+            rec.events.append(dict(kind="prehook_pending", it=rec.it, chunk=self._test_id[0]))
+        return saved["finish"](self, skip_next_bucket_dispatch=skip_next_bucket_dispatch)
+
+    pgb.post_all_gather_processing = post_all_gather_processing
+    pgb.is_float8tensor = is_float8tensor
+    pgb.dist_all_gather_func = dist_all_gather_func
+    pgb._ParamAndGradBucketGroup.finish_param_sync = finish_param_sync
+
+    def restore():
+        pgb.post_all_gather_processing = saved["post"]
+        pgb.is_float8tensor = saved["isf8"]
+        pgb.dist_all_gather_func = saved["ag"]
+        pgb._ParamAndGradBucketGroup.finish_param_sync = saved["finish"]
+
+    return restore
+
+
+def _train(ctx, patched, psf, vpp, eval_pass=False, cost_s=0.0):
+    """One configuration from fresh, seeded models. Returns losses, param hash, events, decision."""
+    import hashlib
+    import time
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import megapatch
+    from megapatch.testing import build_tiny_gpt, make_batch, tiny_gpt_config
+
+    if patched:
+        megapatch.enable(align_fp8_transposes=True)
+    else:
+        megapatch.disable()
+    rec = _Rec()
+    rec.pp_rank = ctx.pp_rank
+    config = tiny_gpt_config(1, pp=ctx.pp_size, vpp=vpp, params_dtype=torch.float32,
+                             pipeline_dtype=torch.float32, bf16=False,
+                             microbatch_group_size_per_vp_stage=GROUP)
+    chunks = [build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, seed=1234, vp_stage=v)
+              for v in range(vpp or 1)] if vpp else [build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)]
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True,
+        align_param_gather=True, bucket_size=20000)
+    model = [DistributedDataParallel(config, ddp_config, m) for m in chunks]
+    for m in model:
+        m.broadcast_params()
+    restore = _install_stand_ins(rec, model)
+    if cost_s:
+        import megatron.core.distributed.param_and_grad_buffer as pgb
+
+        inner = pgb.post_all_gather_processing
+
+        def costly(params):
+            inner(params)
+            time.sleep(cost_s * sum(p.numel() for p in params) / 1e5)
+
+        pgb.post_all_gather_processing = costly
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if psf == "list":  # Megatron-LM training.py
+        config.param_sync_func = [m.start_param_sync for m in model]
+        if len(model) == 1:
+            config.param_sync_func = config.param_sync_func[0]
+    else:
+        config.param_sync_func = None
+    config.finalize_model_grads_func = lambda chunks_, *a, **k: [m.finish_grad_sync() for m in chunks_]
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def forward_step(data_iterator, chunk):
+        v = rec.fwd_next
+        rec.in_fwd, rec.fwd_next = v, v + 1
+        batch = next(data_iterator)
+        out = chunk(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+        rec.in_fwd = None
+        return out, loss_func
+
+    fwd_bwd = get_forward_backward_func()
+    losses, times = [], []
+    try:
+        for it in range(ITERS + (1 if eval_pass else 0)):
+            forward_only = it == ITERS
+            rec.it, rec.fwd_next, rec.in_fwd = it, 0, None
+            for m in model:
+                m.zero_grad_buffer()
+            batches = [make_batch(100 * it + i, MICRO_BATCH, SEQ, VOCAB) for i in range(MICROBATCHES)]
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            with torch.no_grad() if forward_only else torch.enable_grad():
+                out = fwd_bwd(forward_step_func=forward_step,
+                              data_iterator=[iter(batches) for _ in model],
+                              model=model if len(model) > 1 else model[0],
+                              num_microbatches=MICROBATCHES, seq_length=SEQ,
+                              micro_batch_size=MICRO_BATCH, forward_only=forward_only)
+            times.append(time.perf_counter() - t0)
+            losses.append([float(d["lm loss"]) for d in out] if out else [])
+            if forward_only:
+                break
+            with torch.no_grad():  # distributed-optimizer stand-in: SGD on this rank's shards
+                for m in model:
+                    for buf in m.buffers + m.expert_parallel_buffers:
+                        for bucket in buf.buckets:
+                            bucket.param_data.add_(bucket.grad_data, alpha=-LR)  # DP=1: one shard
+        rec.it = "final"
+        for m in model:
+            m.start_param_sync(force_sync=True)
+    finally:
+        restore()
+    h = hashlib.sha256()
+    for m in model:
+        for name, p in m.module.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().numpy().tobytes())
+    from megapatch.patches import align_fp8_transposes as pm
+
+    backend = megapatch.status().patch("fp8.align_transposes").backend
+    result = dict(losses=losses, params=h.hexdigest(), events=rec.events, times=times,
+                  decision=dict(pm.last_decision), backend=backend,
+                  n_groups=[len(m.bucket_groups) for m in model],
+                  psf_after=type(config.param_sync_func).__name__)
+    megapatch.disable()
+    pm.last_decision.update(aligned=False, reason="no interleaved schedule call seen yet", chunks=0)
+    return result
+
+
+def _job(ctx):
+    from megapatch.testing import reinit_model_parallel
+
+    out = {}
+    out["lazy"] = _train(ctx, patched=False, psf="list", vpp=VPP)
+    out["aligned"] = _train(ctx, patched=True, psf="list", vpp=VPP)
+    out["aligned_eval"] = _train(ctx, patched=True, psf="list", vpp=VPP, eval_pass=True)
+    out["none_off"] = _train(ctx, patched=False, psf="none", vpp=VPP)
+    out["none_on"] = _train(ctx, patched=True, psf="none", vpp=VPP)
+    reinit_model_parallel(ctx, tp=1, pp=PP, vpp=None)
+    out["novpp_off"] = _train(ctx, patched=False, psf="list", vpp=None)
+    out["novpp_on"] = _train(ctx, patched=True, psf="list", vpp=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_job, world_size=PP, tp=1, pp=PP, vpp=VPP, timeout=600)
+
+
+def _process_slots(result, it=ITERS - 1):
+    return {(e["chunk"], e["bg"]): e["slot"] for e in result["events"]
+            if e["kind"] == "process" and e["it"] == it}
+
+
+def _count(result, kind, it=ITERS - 1):
+    return sum(1 for e in result["events"] if e["kind"] == kind and e["it"] == it)
+
+
+def test_aligned_processing_runs_at_the_same_slot_on_every_stage(runs):
+    for rank, r in enumerate(runs):
+        slots = _process_slots(r["aligned"])
+        assert slots, f"rank {rank}: no post-all-gather processing recorded"
+        n_groups = r["aligned"]["n_groups"]
+        assert len(slots) == sum(n_groups), (rank, slots, n_groups)  # every group, once
+        for (chunk, _bg), slot in slots.items():
+            assert slot == chunk * GROUP, (rank, chunk, slot)
+
+
+def test_unpatched_processing_slot_lags_by_pipeline_rank(runs):
+    """The same measurement without the patch: stage r processes chunk c at T_c + r."""
+    for rank, r in enumerate(runs):
+        for (chunk, _bg), slot in _process_slots(r["lazy"]).items():
+            assert slot == chunk * GROUP + rank, (rank, chunk, slot)
+    assert any(s != c * GROUP for (c, _), s in _process_slots(runs[1]["lazy"]).items())
+
+
+def test_results_are_bit_identical_patched_vs_unpatched(runs):
+    for r in runs:
+        assert r["lazy"]["params"] == r["aligned"]["params"]
+        assert r["lazy"]["losses"] == r["aligned"]["losses"]
+        assert r["aligned_eval"]["losses"][:ITERS] == r["aligned"]["losses"]
+    assert runs[-1]["lazy"]["losses"][0], "the last stage reports losses"
+
+
+def test_prehook_finds_no_pending_gather_with_the_patch(runs):
+    for r in runs:
+        assert _count(r["lazy"], "prehook_pending") > 0
+        assert _count(r["aligned"], "prehook_pending") == 0
+
+
+def test_no_extra_all_gathers(runs):
+    for r in runs:
+        for it in range(ITERS):
+            assert _count(r["aligned"], "all_gather", it) == _count(r["lazy"], "all_gather", it) > 0
+        assert _count(r["aligned"], "process") == _count(r["lazy"], "process")
+
+
+def test_patch_reports_alignment_and_restores_param_sync_func(runs):
+    for r in runs:
+        assert r["aligned"]["decision"] == {"aligned": True, "reason": "aligned", "chunks": VPP}
+        assert r["aligned"]["backend"] == f"aligned {VPP} chunks at param-sync slots (last call)"
+        assert r["aligned"]["psf_after"] == "list"
+
+
+def test_forward_only_passes_through_with_the_reason(runs):
+    for r in runs:
+        d = r["aligned_eval"]["decision"]
+        assert not d["aligned"] and d["reason"].startswith("forward_only")
+        assert r["aligned_eval"]["backend"].startswith("passing through: forward_only")
+
+
+def test_param_sync_func_none_passes_through_unchanged(runs):
+    for r in runs:
+        off, on = r["none_off"], r["none_on"]
+        assert on["decision"]["aligned"] is False
+        assert "param_sync_func is None" in on["decision"]["reason"]
+        assert on["backend"].startswith("passing through: config.param_sync_func is None")
+        assert (on["params"], on["losses"]) == (off["params"], off["losses"])
+        assert _process_slots(on) == _process_slots(off)
+        assert on["params"] == r["lazy"]["params"]  # same training, only the dispatch differs
+
+
+def test_without_vpp_behaviour_is_unchanged(runs):
+    for r in runs:
+        off, on = r["novpp_off"], r["novpp_on"]
+        assert (on["params"], on["losses"]) == (off["params"], off["losses"])
+        assert _process_slots(on) == _process_slots(off)
+        assert on["decision"]["reason"] == "no interleaved schedule call seen yet"  # never wrapped
+
+
+def test_status_reports_the_patch_without_a_call():
+    import megapatch
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+
+    megapatch.enable(align_fp8_transposes=True)
+    report = megapatch.status().patch("fp8.align_transposes")
+    assert report.state == "active"
+    assert report.backend.startswith("passing through:")
