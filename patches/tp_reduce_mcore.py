@@ -12,6 +12,8 @@ Covers every floating-point reduction over the TP group in ``megatron.core.tenso
   those two backwards the wrapper passes straight through;
 * ``RowParallelLinear.forward`` (mode ``fp32``): the layer's GEMM hands its FP32 accumulator to
   the reduction, so partial sums are never rounded to BF16; the sum (plus bias) is rounded once.
+  The FP32 output itself comes from the ``linear.fp32_output`` patch; if it is not in place, the
+  layer raises instead of reducing BF16-rounded partials.
 
 Integer tensors, FP32 tensors and all-gathers go through upstream untouched.
 """
@@ -24,6 +26,8 @@ import torch
 
 from megapatch import collectives, fp32_linear, state
 from megapatch.args import argument
+from megapatch.errors import UpstreamSurfaceError
+from megapatch.versions import describe_versions
 from megapatch.registry import Patch, Target
 
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
@@ -97,6 +101,11 @@ def _row_parallel_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     with fp32_linear.output_dtype(torch.float32):
         output, output_bias = wrapped(*args, **kwargs)
+    if output.dtype != torch.float32:
+        raise UpstreamSurfaceError(
+            f"megapatch tp_reduce_dtype='fp32': RowParallelLinear produced {output.dtype}, not its FP32 "
+            f"GEMM accumulator (is the linear.fp32_output patch skipped? see megapatch.status()). "
+            f"Installed: {describe_versions()}")
     return output.to(input_.dtype), output_bias
 
 

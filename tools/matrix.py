@@ -166,6 +166,10 @@ class Runner:
             inst = [d / "bin" / "pip", "install", "-q", "--no-index", "--find-links", wh, "--no-deps",
                     "--force-reinstall"]
         t_inst = self.sh([*inst, proj], log)
+        if self.a.update_locks:  # record this cell's lock into the repo, then ship it in the wheel
+            self.sh([py, "-m", "megapatch", "lock", "--update", "--lock-dir",
+                     proj / "megapatch" / "surface_lock"], log, cwd="/")
+            self.sh([*inst, proj], log)
         doctor = subprocess.run([py, "-m", "megapatch", "doctor"], cwd="/", env=self.env,
                                 capture_output=True, text=True, timeout=600)
         (self.results / f"{d.name.rsplit('-', 1)[0]}.doctor.txt").write_text(doctor.stdout + doctor.stderr)
@@ -342,6 +346,8 @@ def main():
     ap.add_argument("--part", help="i/n: run the i-th of n round-robin slices of the cells")
     ap.add_argument("--cell-timeout", type=int, default=1200)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--update-locks", action="store_true",
+                    help="record each cell's patch-surface lock into megapatch/surface_lock/ before testing")
     ap.add_argument("pytest_args", nargs="*", default=[])
     a = ap.parse_args()
     cs = cells()
