@@ -28,6 +28,7 @@ from megapatch.registry import Patch, Target
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 GPT = "megatron.core.models.gpt.gpt_model"
+MAMBA = "megatron.core.models.mamba.mamba_model"
 
 _lm_head = contextvars.ContextVar("megapatch_lm_head", default=None)
 
@@ -131,6 +132,19 @@ PATCHES = (
         targets=(
             Target(GPT, "GPTModel.__init__", _model_init, kind="method"),
             Target(GPT, "GPTModel.forward", _model_forward, kind="method"),
+        ),
+    ),
+    # the hybrid/Mamba model calls its output layer the same way (megatron-core >= 0.12)
+    Patch(
+        name="logits.fp32_lm_head_mamba",
+        option="logits_dtype",
+        summary="FP32 LM-head logits for MambaModel (same marking as GPTModel)",
+        hook=MAMBA,
+        applies=lambda s: s.logits_dtype == "fp32",
+        backend=_backend,
+        targets=(
+            Target(MAMBA, "MambaModel.__init__", _model_init, kind="method"),
+            Target(MAMBA, "MambaModel.forward", _model_forward, kind="method"),
         ),
     ),
     # separate hook: ColumnParallelLinear is imported long before (or without) GPTModel; if this

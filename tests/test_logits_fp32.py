@@ -190,3 +190,45 @@ def _unmarked_call(ctx):
     except Exception as exc:  # UpstreamSurfaceError
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def test_mamba_model_is_covered_when_its_module_is_imported():
+    """MambaModel needs mamba_ssm (CUDA) to be built, so only the wiring is checked here: the same
+    model wrappers as GPTModel are installed on MambaModel.__init__/forward."""
+    import megatron.core.models.mamba.mamba_model  # noqa: F401  (imports without mamba_ssm)
+
+    status = megapatch.enable(logits_dtype="fp32")
+    report = status.patch("logits.fp32_lm_head_mamba")
+    assert report.state == "active", report
+    assert "megatron.core.models.mamba.mamba_model.MambaModel.forward" in report.targets
+
+
+def _frozen_head(ctx):
+    """LinearWithFrozenWeight path (frozen output weight): same dgrad given the same BF16 gradient."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megapatch.patches.logits_fp32 import lm_head
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8,
+                               tensor_model_parallel_size=ctx.tp_size, params_dtype=torch.bfloat16,
+                               bf16=True, use_cpu_initialization=True, perform_initialization=False)
+    layer = ColumnParallelLinear(64, 128, config=config, init_method=None, bias=False, gather_output=False)
+    with torch.no_grad():
+        layer.weight.copy_(_integer(layer.weight.shape, seed=3 + ctx.tp_rank))
+    layer.weight.requires_grad_(False)
+    upstream = _integer((4, 1, 128 // ctx.tp_size), seed=4)
+    found = {}
+    for mode in ("native", "fp32"):
+        megapatch.enable(logits_dtype=mode)
+        x = _integer((4, 1, 64), seed=5).requires_grad_()
+        with lm_head(layer):
+            out, _ = layer(x)
+        out.backward(upstream.to(out.dtype))
+        found[mode] = (str(out.dtype), x.grad.clone())
+    megapatch.disable()
+    return found["fp32"][0], torch.equal(found["native"][1], found["fp32"][1])
+
+
+def test_frozen_output_weight_keeps_the_gradient_contract():
+    for dtype, identical in run_ranks(_frozen_head, world_size=2, tp=2):
+        assert dtype == "torch.float32" and identical
