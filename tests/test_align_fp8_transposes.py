@@ -52,7 +52,9 @@ def _install_stand_ins(rec, model):
             bg._test_id = (c, g)
             for p in bg.params:
                 owner[id(p)] = (c, g)
-    saved = dict(post=pgb.post_all_gather_processing, isf8=pgb.is_float8tensor,
+    missing = object()  # megatron-core < 0.16 has neither name: nothing to stand in for
+    saved = dict(post=getattr(pgb, "post_all_gather_processing", missing),
+                 isf8=getattr(pgb, "is_float8tensor", missing),
                  ag=pgb.dist_all_gather_func, finish=pgb._ParamAndGradBucketGroup.finish_param_sync)
 
     def post_all_gather_processing(model_params):  # STAND-IN for TE's FP8 transpose creation
@@ -77,8 +79,11 @@ def _install_stand_ins(rec, model):
     pgb._ParamAndGradBucketGroup.finish_param_sync = finish_param_sync
 
     def restore():
-        pgb.post_all_gather_processing = saved["post"]
-        pgb.is_float8tensor = saved["isf8"]
+        for name, key in (("post_all_gather_processing", "post"), ("is_float8tensor", "isf8")):
+            if saved[key] is missing:
+                delattr(pgb, name)
+            else:
+                setattr(pgb, name, saved[key])
         pgb.dist_all_gather_func = saved["ag"]
         pgb._ParamAndGradBucketGroup.finish_param_sync = saved["finish"]
 
@@ -209,8 +214,18 @@ def _job(ctx):
     return out
 
 
+def _ddp_post_processes() -> bool:
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    return hasattr(pgb, "post_all_gather_processing")
+
+
 @pytest.fixture(scope="module")
 def runs():
+    if not _ddp_post_processes():
+        pytest.skip("this megatron-core (< 0.16) runs no post-all-gather processing in DDP, so the "
+                    "stand-in has nothing to record; the patch passes through here, which "
+                    "test_passes_through_where_ddp_runs_no_processing checks")
     return run_ranks(_job, world_size=PP, tp=1, pp=PP, vpp=VPP, timeout=600)
 
 
@@ -303,3 +318,24 @@ def test_status_reports_the_patch_without_a_call():
     report = megapatch.status().patch("fp8.align_transposes")
     assert report.state == "active"
     assert report.backend.startswith("passing through:")
+
+
+def _pass_through_reason(ctx):
+    """Versions without DDP post-processing: the real schedule runs unchanged, with the reason."""
+    import megapatch
+    from megapatch.patches import align_fp8_transposes as patch
+
+    megapatch.enable(align_fp8_transposes=True)
+    _train(ctx, patched=True, psf="list", vpp=VPP)
+    return dict(patch.last_decision)
+
+
+def test_passes_through_where_ddp_runs_no_processing():
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megapatch.patches.align_fp8_transposes import _has_processing
+
+    if _has_processing(pgb):
+        assert _ddp_post_processes() or hasattr(pgb._ParamAndGradBucketGroup, "_post_param_sync")
+        return  # covered by the slot tests above
+    decision = run_ranks(_pass_through_reason, world_size=PP, tp=1, pp=PP, vpp=VPP, timeout=600)[0]
+    assert not decision["aligned"] and "0.16" in decision["reason"], decision
