@@ -335,7 +335,6 @@ def test_passes_through_where_ddp_runs_no_processing():
     from megapatch.patches.align_fp8_transposes import _has_processing
 
     if _has_processing(pgb):
-        assert _ddp_post_processes() or hasattr(pgb._ParamAndGradBucketGroup, "_post_param_sync")
-        return  # covered by the slot tests above
+        return  # the slot tests above cover versions whose DDP post-processes
     decision = run_ranks(_pass_through_reason, world_size=PP, tp=1, pp=PP, vpp=VPP, timeout=600)[0]
     assert not decision["aligned"] and "0.16" in decision["reason"], decision
