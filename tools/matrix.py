@@ -163,7 +163,9 @@ class Runner:
             inst = [self.uv, "pip", "install", "-q", "--offline", "--no-index", "--find-links", wh,
                     "--python", py, "--no-deps", "--reinstall-package", "megapatch"]
         else:
-            inst = [d / "bin" / "pip", "install", "-q", "--no-index", "--find-links", wh, "--no-deps",
+            if not (d / "bin" / "pip").exists():  # an environment built by uv has no pip
+                self.sh([py, "-m", "ensurepip", "-q"], log)
+            inst = [py, "-m", "pip", "install", "-q", "--no-index", "--find-links", wh, "--no-deps",
                     "--force-reinstall"]
         t_inst = self.sh([*inst, proj], log)
         if self.a.update_locks:  # record this cell's lock into the repo, then ship it in the wheel
