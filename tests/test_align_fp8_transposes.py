@@ -322,12 +322,7 @@ def test_status_reports_the_patch_without_a_call():
 
 def _pass_through_reason(ctx):
     """Versions without DDP post-processing: the real schedule runs unchanged, with the reason."""
-    import megapatch
-    from megapatch.patches import align_fp8_transposes as patch
-
-    megapatch.enable(align_fp8_transposes=True)
-    _train(ctx, patched=True, psf="list", vpp=VPP)
-    return dict(patch.last_decision)
+    return _train(ctx, patched=True, psf="list", vpp=VPP)["decision"]
 
 
 def test_passes_through_where_ddp_runs_no_processing():
