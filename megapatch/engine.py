@@ -165,6 +165,8 @@ def _install(patch: Patch, strict: bool) -> None:
     done: List[patching.Installed] = []
     try:
         for target in patch.targets:
+            if target.optional and not surface.present(target):
+                continue
             done.append(patching.install(target, patch.name))
     except Exception:
         for item in reversed(done):

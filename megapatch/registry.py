@@ -23,6 +23,8 @@ class Target:
     ``kind`` is the kind of attribute found on its owner. ``rebind_aliases`` rebinds
     ``from module import name`` copies held by other loaded modules (module-level functions only;
     never for objects shared with torch, such as a module global bound to a torch collective).
+    ``optional`` targets exist only in some upstream versions (another target, or the patch's
+    probe, covers the others): when absent they are skipped instead of refusing the patch.
     """
 
     module: str
@@ -31,6 +33,7 @@ class Target:
     params: Optional[Tuple[str, ...]] = None
     kind: str = "function"  # function | method | staticmethod | classmethod
     rebind_aliases: bool = True
+    optional: bool = False
 
     @property
     def path(self) -> str:

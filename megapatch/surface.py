@@ -41,6 +41,14 @@ def resolve(target: Target, import_module: bool = False) -> Tuple[Any, str, Any]
     return owner, name, raw
 
 
+def present(target: Target) -> bool:
+    try:
+        resolve(target)
+    except LookupError:
+        return False
+    return True
+
+
 def _kind_of(owner: Any, raw: Any) -> str:
     if isinstance(raw, staticmethod):
         return "staticmethod"
@@ -67,7 +75,7 @@ def problems(target: Target, import_module: bool = False) -> List[str]:
     try:
         owner, _name, raw = resolve(target, import_module=import_module)
     except LookupError as exc:
-        return [str(exc)]
+        return [] if target.optional else [str(exc)]
     except ImportError as exc:
         return [f"cannot import {target.module}: {exc}"]
     found: List[str] = []

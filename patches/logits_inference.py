@@ -2,7 +2,8 @@
 
 Released inference downcasts logits to ``params_dtype`` wherever pipeline parallelism moves them:
 ``AbstractModelInferenceWrapper.forward_pass_with_pipeline_parallel_{small,large}_input_batch``
-(``.to(params_dtype)``, a BF16 preallocated buffer) and the text-generation controller's
+(<= 0.16) or ``forward_pass_with_pipeline_parallel`` (>= 0.17) (``.to(params_dtype)``, a BF16
+preallocated buffer) and the text-generation controller's
 ``broadcast_from_last_pipeline_stage(..., dtype=params_dtype)``. Without pipeline parallelism the
 FP32 logits already reach sampling and log-probs unchanged.
 
@@ -25,8 +26,9 @@ from megapatch.versions import describe_versions
 
 WRAPPER = "megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper"
 CONTROLLER = "megatron.core.inference.text_generation_controllers.text_generation_controller"
-PP_METHODS = ("forward_pass_with_pipeline_parallel_small_input_batch",
-              "forward_pass_with_pipeline_parallel_large_input_batch")
+PP_METHODS = ("forward_pass_with_pipeline_parallel_small_input_batch",  # <= 0.16
+              "forward_pass_with_pipeline_parallel_large_input_batch",  # <= 0.16
+              "forward_pass_with_pipeline_parallel")                    # >= 0.17
 
 _stash = contextvars.ContextVar("megapatch_fp32_logits", default=None)
 
@@ -77,6 +79,15 @@ def _broadcast(wrapped, instance, args, kwargs):
     return wrapped(size, torch.float32, tensor, *args[3:], **rest)
 
 
+def _pipeline_methods_probe():
+    from megatron.core.inference.model_inference_wrappers import abstract_model_inference_wrapper as amiw
+
+    if not any(hasattr(amiw.AbstractModelInferenceWrapper, name) for name in PP_METHODS):
+        return (f"{WRAPPER}.AbstractModelInferenceWrapper has none of {', '.join(PP_METHODS)}: "
+                f"the pipeline-parallel inference path changed")
+    return None
+
+
 PATCHES = (
     Patch(
         name="logits.fp32_inference",
@@ -84,11 +95,12 @@ PATCHES = (
         summary="FP32 logits reach sampling and log-probs in static-batching inference",
         hook=CONTROLLER,
         applies=lambda s: s.logits_dtype == "fp32",
+        probe=_pipeline_methods_probe,
         targets=(
             Target(WRAPPER, "AbstractModelInferenceWrapper._forward", _forward, kind="method",
                    params=("self", "inference_input")),
-            *(Target(WRAPPER, f"AbstractModelInferenceWrapper.{name}", _pipeline_forward, kind="method")
-              for name in PP_METHODS),
+            *(Target(WRAPPER, f"AbstractModelInferenceWrapper.{name}", _pipeline_forward, kind="method",
+                     optional=True) for name in PP_METHODS),
             Target(CONTROLLER, "broadcast_from_last_pipeline_stage", _broadcast,
                    params=("size", "dtype", "tensor"), rebind_aliases=False),
         ),
