@@ -73,17 +73,16 @@ def _install_stand_ins(rec, model):
             rec.events.append(dict(kind="prehook_pending", it=rec.it, chunk=self._test_id[0]))
         return saved["finish"](self, skip_next_bucket_dispatch=skip_next_bucket_dispatch)
 
-    pgb.post_all_gather_processing = post_all_gather_processing
-    pgb.is_float8tensor = is_float8tensor
+    if saved["post"] is not missing:  # never add the name where upstream has none (< 0.16)
+        pgb.post_all_gather_processing = post_all_gather_processing
+        pgb.is_float8tensor = is_float8tensor
     pgb.dist_all_gather_func = dist_all_gather_func
     pgb._ParamAndGradBucketGroup.finish_param_sync = finish_param_sync
 
     def restore():
-        for name, key in (("post_all_gather_processing", "post"), ("is_float8tensor", "isf8")):
-            if saved[key] is missing:
-                delattr(pgb, name)
-            else:
-                setattr(pgb, name, saved[key])
+        if saved["post"] is not missing:
+            pgb.post_all_gather_processing = saved["post"]
+            pgb.is_float8tensor = saved["isf8"]
         pgb.dist_all_gather_func = saved["ag"]
         pgb._ParamAndGradBucketGroup.finish_param_sync = saved["finish"]
 
