@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 from datetime import timedelta
-from typing import Optional
 
 from .errors import CrossRankMismatchError
 

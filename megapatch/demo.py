@@ -52,7 +52,7 @@ def _plant_outliers(model, ctx) -> None:
 
 
 def _logits(ctx, variant: str, tp: int) -> torch.Tensor:
-    from megapatch.testing import build_tiny_gpt, gather_tp_logits, make_batch, tiny_gpt_config
+    from megapatch.testing import build_tiny_gpt, gather_tp_logits, tiny_gpt_config
 
     model = build_tiny_gpt(tiny_gpt_config(tp=tp, num_attention_heads=8), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
     if variant == "outliers":
@@ -171,7 +171,7 @@ def plot(rows: List[dict], path: str) -> bool:
 
 
 def run_demo(args) -> int:
-    from megapatch.testing import make_batch, run_ranks
+    from megapatch.testing import run_ranks
 
     tps = [int(t) for t in args.tp.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]

@@ -34,7 +34,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from megapatch import state
 from megapatch.registry import Patch, Target

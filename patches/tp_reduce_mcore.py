@@ -27,12 +27,12 @@ import torch
 from megapatch import collectives, fp32_linear, state
 from megapatch.args import argument
 from megapatch.errors import UpstreamSurfaceError
+from megapatch.patches.fp32_linear_output import LINEAR_FUNCTIONS
 from megapatch.versions import describe_versions
 from megapatch.registry import Patch, Target
 
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
 LAYERS = "megatron.core.tensor_parallel.layers"
-LINEAR_FUNCTIONS = ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight")
 
 _in_linear_backward = contextvars.ContextVar("megapatch_in_linear_backward", default=False)
 
