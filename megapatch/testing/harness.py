@@ -117,6 +117,7 @@ class _RankSpec:
     init_megatron: bool
     workarounds: bool
     parallel_kwargs: Dict[str, Any]
+    stderr_dir: Optional[str] = None
 
 
 # --- megatron parallel state ----------------------------------------------------
@@ -257,6 +258,14 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _redirect_stderr(path: str) -> None:
+    """Points this process's fd 2 (Python warnings, C++ messages) at ``path``."""
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _rank_main(spec: _RankSpec, payload: bytes) -> None:
     """Child entry point: run, report ``ok``/``error``, tear down, exit.
 
@@ -264,6 +273,8 @@ def _rank_main(spec: _RankSpec, payload: bytes) -> None:
     failure before peers fail on the torn-down group.
     """
     _die_with_parent(spec.parent_pid)
+    if spec.stderr_dir:
+        _redirect_stderr(os.path.join(spec.stderr_dir, f"rank{spec.rank}.stderr"))
     try:
         pickled = pickle.dumps(_run_user_fn(spec, payload))
     except BaseException:
@@ -394,6 +405,7 @@ def run_ranks(
     init_megatron: bool = True,
     workarounds: bool = True,
     parallel_kwargs: Optional[Mapping[str, Any]] = None,
+    stderr_dir: Optional[str] = None,
 ) -> List[Any]:
     """Runs ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned CPU ranks.
 
@@ -406,7 +418,9 @@ def run_ranks(
     start (``None`` unsets).  ``init_megatron=False`` gives a bare gloo job (no
     megatron import, no workarounds); ``workarounds=False`` skips
     :func:`cpu_workarounds`.  ``timeout`` (seconds) bounds the whole job,
-    start-up included.  Returns the per-rank values in rank order; raises
+    start-up included.  ``stderr_dir`` (an existing directory) receives each
+    rank's stderr as ``rank{N}.stderr`` instead of the parent's (failures are
+    still raised with their tracebacks).  Returns the per-rank values in rank order; raises
     :class:`RankFailure` / :class:`RankTimeout` as the module doc says.
     """
     if world_size < 1:
@@ -422,7 +436,7 @@ def run_ranks(
             for rank in range(world_size):
                 spec = _RankSpec(rank, world_size, tp, pp, vpp, tmpdir, float(timeout), os.getpid(),
                                  init_megatron, workarounds and init_megatron,
-                                 dict(parallel_kwargs or {}))
+                                 dict(parallel_kwargs or {}), stderr_dir)
                 proc = mp.Process(target=_rank_main, args=(spec, payload),
                                   name=f"megapatch-rank{rank}", daemon=True)
                 proc.start()
