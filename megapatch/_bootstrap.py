@@ -1,37 +1,122 @@
-"""Activation from ``MEGAPATCH_*`` variables in launchers that never import megapatch.
+"""Activation from ``MEGAPATCH_*`` variables in processes that never import megapatch themselves.
 
-The wheel ships ``megapatch-startup.pth``; Python runs it at every interpreter start. It imports
-this module only when a ``MEGAPATCH_*`` variable is set, and this module only registers
-post-import hooks: megapatch is enabled when ``megatron.core`` or ``transformer_engine.pytorch``
-is imported, so pip or any other tool in the same environment never pays for torch and is never
-stopped by a bad value. A bad value stops the process that imports megatron, naming the variable.
+Two entry points run ``activate_from_environment()`` at interpreter start: the wheel's
+``megapatch-startup.pth`` (site-packages installs) and ``megapatch/bootstrap/sitecustomize.py``
+(put on ``PYTHONPATH`` by ``megapatch-run``, for ``pip install --target`` dirs, zipapps and other
+places where ``.pth`` files are not read). Both only do it when a ``MEGAPATCH_*`` variable is set.
+
+At start nothing but a tiny finder is installed (stdlib only: every Python process in a job pays
+for this, most of them never touch megatron). The first time ``megatron`` or ``transformer_engine``
+is looked up, the finder removes itself, reads the options and registers post-import hooks; when
+``megatron.core`` or ``transformer_engine.pytorch`` has finished importing, megapatch is enabled
+from the environment -- unless the script already called ``enable()``, whose explicit arguments
+win. A bad value, or a request megapatch cannot serve (wrapt missing), stops the process that
+imports megatron, naming the variable; every other process stays quiet.
 """
 
-from __future__ import annotations
 
-import wrapt
+import os
+import sys
 
-from . import engine, options
-from .errors import OptionError
-
+ENV_PREFIX = "MEGAPATCH_"
+TRIGGERS = ("megatron", "transformer_engine")  # top-level packages: looked up before their modules
 HOOKED_MODULES = ("megatron.core", "transformer_engine.pytorch")
-_pending_error = None
+OTHER_VARIABLES = ("MEGAPATCH_TE_SRC_CACHE",)  # read by tools, not options (megapatch.te_wiring)
+
+
+class _Trigger:
+    """``sys.meta_path`` entry that arms megapatch when a trigger package is first looked up.
+
+    It never finds anything itself. It runs before ``megatron`` is found, so the post-import hooks
+    it registers (which put wrapt's finder on ``sys.meta_path``) see ``megatron.core`` load.
+    """
+
+    megapatch_trigger = True  # one per process, whichever copy of this module installed it
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in TRIGGERS and _disarm(self):
+            _arm()
+        return None
+
+    def find_module(self, fullname, path=None):  # pre-3.4 protocol, for very old import tools
+        return None
 
 
 def activate_from_environment() -> None:
-    global _pending_error
-    if options.env_disabled() or not options.env_requests():
+    """Install the trigger once per process when a ``MEGAPATCH_*`` variable is set."""
+    if not any(name.startswith(ENV_PREFIX) for name in os.environ):
+        return
+    if any(getattr(finder, "megapatch_trigger", False) for finder in sys.meta_path) or _armed:
+        return
+    if any(name in sys.modules for name in TRIGGERS):  # imported before the hook ran (rare)
+        _arm()
+        return
+    sys.meta_path.insert(0, _Trigger())
+
+
+_armed = False
+
+
+def _disarm(trigger) -> bool:
+    try:
+        sys.meta_path.remove(trigger)
+    except ValueError:  # another thread got there first
+        return False
+    return True
+
+
+def _requested_variables() -> str:
+    return ", ".join(f"{k}={v[:40]!r}" for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIX))
+
+
+def _arm() -> None:
+    """Read the options (cheap) and register the activation hooks (imports the engine and wrapt)."""
+    global _armed
+    if _armed:
+        return
+    from megapatch import options
+
+    _warn_unknown_variables(options)
+    disabled = getattr(options, "disabled", options.env_disabled)  # validates the spelling
+    if disabled() or not options.env_requests():
+        _armed = True
         return
     try:
-        options.resolve({})
-    except OptionError as exc:
-        _pending_error = exc
+        import wrapt
+
+        from megapatch import engine  # noqa: F401 -- fails here, not inside the hook, if broken
+    except ImportError as exc:
+        from megapatch.errors import MegapatchError
+
+        sys.meta_path.insert(0, _Trigger())  # a retried import is refused again
+        hint = (" (megapatch requires wrapt>=2.0: pip install 'wrapt>=2.0')"
+                if getattr(exc, "name", None) == "wrapt" else "")
+        raise MegapatchError(
+            f"megapatch cannot activate: {exc}{hint}. The environment asks for it "
+            f"({_requested_variables()}): unset those variables, or set MEGAPATCH_DISABLE=1 to "
+            f"run upstream behaviour knowingly.") from exc
+    _armed = True
     for name in HOOKED_MODULES:
         wrapt.register_post_import_hook(_activate, name)
 
 
+def _warn_unknown_variables(options) -> None:
+    unknown = getattr(options, "unknown_env_variables", None)
+    for name, closest in (unknown(known=OTHER_VARIABLES) if unknown else ()):
+        import warnings
+
+        hint = f"; did you mean {closest}?" if closest else ""
+        warnings.warn(f"megapatch: {name} is not a variable megapatch reads (ignored){hint}",
+                      RuntimeWarning, stacklevel=2)
+
+
 def _activate(_module) -> None:
-    if _pending_error is not None:
-        raise OptionError(f"megapatch (activated from the environment): {_pending_error}")
-    if not engine.is_enabled():  # an explicit enable() in the script wins over the environment
+    from megapatch import engine
+    from megapatch.errors import OptionError
+
+    if engine.is_enabled():  # an explicit enable() in the script wins over the environment
+        return
+    try:
         engine.enable()
+    except OptionError as exc:
+        raise type(exc)(f"megapatch (activated from the environment): {exc}") from None

@@ -1,11 +1,22 @@
-"""Installed versions of the packages megapatch reports on and checks against."""
+"""Versions of the packages megapatch patches, as the running process sees them, and the ranges
+each patch supports.
+
+A version is read from the module actually in use: the imported module when it is imported
+(a Megatron-LM checkout on ``PYTHONPATH`` says ``megatron.core.package_info.__version__``; an NGC
+torch says ``torch.__version__``), else from the file that ``import`` would load (found on
+``sys.path`` without importing it), and only then from distribution metadata, which can describe
+a different copy (a megatron-core wheel shadowed by a checkout). Never imports torch or megatron.
+"""
 
 from __future__ import annotations
 
-import importlib.metadata
+import logging
+import os
 import platform
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
+
+log = logging.getLogger("megapatch")
 
 # distribution names tried, in order, for each package we report
 _DISTRIBUTIONS = {
@@ -15,26 +26,38 @@ _DISTRIBUTIONS = {
                            "transformer-engine-cu13"),
     "wrapt": ("wrapt",),
 }
-# module attribute used when no distribution metadata exists (e.g. a source checkout on PYTHONPATH)
-_MODULE_FALLBACK = {
-    "megatron-core": ("megatron.core.package_info", "__version__"),
-    "transformer-engine": ("transformer_engine", "__version__"),
+# (module holding the version, its attribute, file under the top-level package defining it)
+_MODULES = {
+    "torch": ("torch", "__version__", "version.py"),
+    "megatron-core": ("megatron.core.package_info", "__version__", "core/package_info.py"),
+    "transformer-engine": ("transformer_engine", "__version__", None),
+    "wrapt": ("wrapt", "__version__", None),
 }
+# a module imported means its version module is loaded (or cheap to load: plain constants)
+_IMPORTED_WHEN = {"megatron-core": "megatron.core"}
+
+
+def version_info(package: str) -> Tuple[Optional[str], Optional[str]]:
+    """``(version, where it was read)``, or ``(None, None)`` when the package is absent."""
+    module_name, attr, file = _MODULES.get(package, (package.replace("-", "_"), "__version__", None))
+    if _IMPORTED_WHEN.get(package, module_name) in sys.modules:
+        try:
+            module = sys.modules.get(module_name) or __import__(module_name, fromlist=["_"])
+            value = getattr(module, attr, None)
+        except Exception:  # noqa: BLE001 -- a broken version module: fall through to metadata
+            value = None
+        if value is not None:
+            return str(value), f"imported {module_name}"
+    if file is not None:
+        found = _version_from_file(module_name.split(".")[0], file, attr)
+        if found is not None:
+            return found
+    return _version_from_metadata(package)
 
 
 def version_of(package: str) -> Optional[str]:
-    """Version string of ``package`` or None when it is not installed. Never imports torch."""
-    for dist in _DISTRIBUTIONS.get(package, (package,)):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    fallback = _MODULE_FALLBACK.get(package)
-    if fallback and fallback[0].split(".")[0] in sys.modules:
-        module = sys.modules.get(fallback[0])
-        if module is not None:
-            return getattr(module, fallback[1], None)
-    return None
+    """Version string of ``package`` or None when it is not installed."""
+    return version_info(package)[0]
 
 
 def installed_versions() -> Dict[str, Optional[str]]:
@@ -46,3 +69,83 @@ def installed_versions() -> Dict[str, Optional[str]]:
 def describe_versions() -> str:
     """One line for error messages: 'torch 2.13.0, megatron-core 0.16.1, transformer-engine absent'."""
     return ", ".join(f"{name} {ver or 'absent'}" for name, ver in installed_versions().items())
+
+
+def _version_from_file(top: str, relative: str, attr: str) -> Optional[Tuple[str, str]]:
+    """Execute the version file ``import`` would load (plain constants), without importing."""
+    from importlib.machinery import PathFinder
+
+    try:
+        spec = PathFinder.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, relative)
+        if not os.path.isfile(path):
+            continue
+        namespace = {"__name__": f"_megapatch_version_of_{top}", "__file__": path}
+        try:
+            with open(path, encoding="utf-8") as f:
+                exec(compile(f.read(), path, "exec"), namespace)  # noqa: S102 -- upstream constants
+        except Exception:  # noqa: BLE001 -- not plain constants: use metadata instead
+            return None
+        value = namespace.get(attr)
+        return (str(value), f"file {path}") if value is not None else None
+    return None
+
+
+def _version_from_metadata(package: str) -> Tuple[Optional[str], Optional[str]]:
+    import importlib.metadata
+
+    for dist in _DISTRIBUTIONS.get(package, (package,)):
+        try:
+            return importlib.metadata.version(dist), f"distribution {dist}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
+# -- supported ranges (declared on each patch: Patch.supports) -----------------------------------
+
+def supported_range(patch) -> Dict[str, str]:
+    """``{package: specifier}`` the patch is supported on (tested), e.g. ``{"megatron-core":
+    ">=0.13,<0.21"}``; empty when it declares none."""
+    return dict(getattr(patch, "supports", None) or {})
+
+
+def in_range(version: str, specifier: str) -> bool:
+    """Whether ``version`` satisfies ``specifier``; a pre-release or local build of a version in
+    range counts (``2.8.0a0+nv25.5`` satisfies ``>=2.4``)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    return SpecifierSet(specifier).contains(parsed, prereleases=True)
+
+
+def outside_range(patch) -> List[str]:
+    """One line per installed package outside the patch's supported range (absent ones: none)."""
+    found = []
+    for package, specifier in supported_range(patch).items():
+        version = version_of(package)
+        if version is not None and not in_range(version, specifier):
+            found.append(f"{package} {version} is outside {patch.name}'s supported range {specifier}")
+    return found
+
+
+_warned: set = set()
+
+
+def warn_if_unsupported(patch) -> None:
+    """Warn once per process and version when a patch installs on an untested version. A version
+    alone never refuses: the patch's upstream-surface check decides whether it can apply."""
+    for line in outside_range(patch):
+        if line in _warned:
+            continue
+        _warned.add(line)
+        log.warning("megapatch: %s (untested there; the upstream surface it wraps checked out)", line)

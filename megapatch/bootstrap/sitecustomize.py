@@ -1,0 +1,59 @@
+"""megapatch's start-up hook for processes launched by ``megapatch-run``.
+
+``megapatch-run`` puts this directory first on ``PYTHONPATH``, so every Python process of the
+command imports this file at start (``site`` imports ``sitecustomize``), even where ``.pth`` files
+are not read (``pip install --target DIR`` + ``PYTHONPATH=DIR``, zipapps). It arms megapatch's
+environment activation (``megapatch._bootstrap``: stdlib only until megatron is imported), then
+runs the ``sitecustomize`` that would have run without it, further down ``sys.path``.
+"""
+
+import os
+import sys
+
+
+def _arm() -> None:
+    try:
+        from megapatch import _bootstrap
+    except ImportError:
+        # this Python cannot import megapatch (another interpreter, or its install dir is not on
+        # PYTHONPATH): refuse its megatron import instead of training unpatched.
+        sys.meta_path.insert(0, _NotImportable())
+        return
+    _bootstrap.activate_from_environment()
+
+
+class _NotImportable:
+    megapatch_trigger = True
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in ("megatron", "transformer_engine") and any(
+                k.startswith("MEGAPATCH_") and k != "MEGAPATCH_DISABLE" for k in os.environ):
+            raise ImportError(
+                f"megapatch-run: this Python ({sys.executable}) cannot import megapatch, so the "
+                f"requested MEGAPATCH_* settings cannot apply; put the directory megapatch is "
+                f"installed in on PYTHONPATH, or run without megapatch-run")
+        return None
+
+
+def _chain() -> None:
+    """Import the next ``sitecustomize`` on ``sys.path`` (the user's or the distribution's)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    positions = [i for i, p in enumerate(sys.path) if os.path.abspath(p or os.curdir) == here]
+    for i in reversed(positions):
+        del sys.path[i]
+    ours = sys.modules.pop("sitecustomize", None)
+    try:
+        import sitecustomize  # noqa: F401 -- the next one on sys.path, if any
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            raise
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+    finally:
+        for i in positions:
+            sys.path.insert(i, here)
+
+
+if any(k.startswith("MEGAPATCH_") for k in os.environ):
+    _arm()
+_chain()
