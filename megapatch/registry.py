@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from typing import Callable, Optional, Tuple
+from typing import Callable, Mapping, Optional, Tuple
 
 from .options import Settings
 
@@ -51,6 +51,9 @@ class Patch:
     ``backend`` (optional) says which implementation is in use, for status and doctor.
     ``watches`` names further upstream symbols (``"module:Qual.name"``) whose code the patch
     relies on without wrapping them; the patch-surface lock fingerprints them with the targets.
+    ``supports`` maps a package to the specifier set (PEP 440) of versions the patch is tested
+    on, e.g. ``{"megatron-core": ">=0.13,<0.21"}``: outside it megapatch warns (a version alone
+    never refuses; the surface check does); ``megapatch.versions.supported_range`` reads it.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Patch:
     backend: Optional[Callable[[], str]] = None
     package: str = "megatron-core"
     watches: Tuple[str, ...] = ()
+    supports: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def discover() -> Tuple[Patch, ...]:

@@ -27,6 +27,7 @@ def _forward_probe():
 PATCHES = (
     Patch(
         name="linear.fp32_output",
+        supports={"megatron-core": ">=0.12,<0.21"},  # tested: results/matrix, README "Supported versions"
         option=None,
         summary="FP32 outputs of megatron-core linear Functions, on request only",
         hook="megatron.core.tensor_parallel",

@@ -130,6 +130,7 @@ def _backend():
 PATCHES = (
     Patch(
         name="tp_reduce.megatron_core",
+        supports={"megatron-core": ">=0.13,<0.21"},  # tested: results/matrix, README "Supported versions"
         option="tp_reduce_dtype",
         summary="FP32-accumulated TP reductions in megatron.core.tensor_parallel",
         hook="megatron.core.tensor_parallel",

@@ -429,6 +429,7 @@ def _targets():
 PATCHES = (
     Patch(
         name="tp_reduce.transformer_engine",
+        supports={"transformer-engine": ">=2.9,<=2.20.2"},  # tested: results/matrix, README "Supported versions"
         option="tp_reduce_dtype",
         summary="FP32-accumulated TP reductions in Transformer Engine Linear/LayerNormLinear/LayerNormMLP",
         hook=TE,
