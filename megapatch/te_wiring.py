@@ -23,16 +23,15 @@ itself (``megapatch.patches.tp_reduce_te``): its ``PATCHES`` targets and its dec
 * no other TE module imports the reduce helpers, except those listed in ``NOT_WRAPPED``.
 
 Used by ``tests/test_tp_reduce_te_wiring.py`` and ``tools/te_wiring_check.py`` for every claimed
-release (``megapatch/te_wiring_versions.json``), and by the patch's probe against the installed TE.
+release (``megapatch/te_wiring_versions.json``), and, through ``megapatch.te_verdict`` (which caches
+the verdict per TE installation and imports this module only on a miss), by the patch's probe.
 """
 
 from __future__ import annotations
 
 import ast
 import concurrent.futures
-import functools
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -715,32 +714,3 @@ def ensure_wheels(versions: Dict[str, str], dest: Optional[str] = None, fetch: b
             raise RuntimeError(f"{path}: sha256 {found}, expected {versions[version]} "
                                f"(megapatch/te_wiring_versions.json)")
     return paths
-
-
-# -- the installed TE (the patch's probe) -------------------------------------------------------------
-
-def installed_root() -> Optional[str]:
-    spec = importlib.util.find_spec("transformer_engine")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return os.path.dirname(list(spec.submodule_search_locations)[0])
-
-
-@functools.lru_cache(maxsize=None)
-def _installed_problems(root: str) -> Tuple[str, ...]:
-    return tuple(check(Sources.tree(root, label=f"installed TE at {root}")))
-
-
-def installed_problem() -> Optional[str]:
-    """None when the installed TE's sources are wired as the patch relies on (or when no sources
-    are installed: then only the run-time self-checks guard the patch), else the reason."""
-    root = installed_root()
-    if root is None or not os.path.exists(os.path.join(root, PKG, "module", "linear.py")):
-        log.warning("megapatch: Transformer Engine's Python sources are not installed; the TE "
-                    "wiring check was skipped")
-        return None
-    problems = _installed_problems(root)
-    if not problems:
-        return None
-    shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-    return f"the installed Transformer Engine is not wired as megapatch relies on: {shown}"

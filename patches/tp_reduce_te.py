@@ -398,9 +398,9 @@ def _probe() -> Optional[str]:
         missing = [k for k in GEMM_KEYWORDS if k not in gemm]
         if missing:
             return f"{layer.module}.general_gemm takes no {missing}"
-    from megapatch import te_wiring
+    from megapatch import te_verdict  # cached per TE installation; the checker loads on a miss
 
-    return te_wiring.installed_problem()
+    return te_verdict.installed_problem()
 
 
 def _backend():
