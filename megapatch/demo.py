@@ -16,21 +16,29 @@ and the mean |logit error| against an FP32 run of the same (BF16) weights.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from typing import Dict, List
-
-import torch
 
 MODES = ("native", "fp32-accumulate", "fp32")
 VOCAB, SEQ, BATCH, SEED = 128, 32, 4, 1234
+HEADS = 8  # with tiny_gpt's hidden 64 and FFN 256: a TP size must divide 8, 64, 256 and VOCAB
+TP_SIZES = (1, 2, 4, 8)  # the divisors of gcd(HEADS, 64, 256, VOCAB) = 8
+DEFAULT_TP, QUICK_TP = "1,2,4,8", "1,2"
 PERIOD = 13  # the planted token
 OUTLIER_DIMS = (5, 21, 38, 50)
 
 
 def _plant_outliers(model, ctx) -> None:
     """Planted massive activations, identical in the full model at every TP size."""
+    import torch
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -51,10 +59,11 @@ def _plant_outliers(model, ctx) -> None:
                     fc2[d, local] = scale
 
 
-def _logits(ctx, variant: str, tp: int) -> torch.Tensor:
+def _logits(ctx, variant: str, tp: int):
+    import torch
     from megapatch.testing import build_tiny_gpt, gather_tp_logits, tiny_gpt_config
 
-    model = build_tiny_gpt(tiny_gpt_config(tp=tp, num_attention_heads=8), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+    model = build_tiny_gpt(tiny_gpt_config(tp=tp, num_attention_heads=HEADS), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
     if variant == "outliers":
         _plant_outliers(model, ctx)
     batch = _batch()
@@ -72,14 +81,15 @@ def _batch():
     return batch
 
 
-def _fp32_reference(ctx, variant: str) -> torch.Tensor:
+def _fp32_reference(ctx, variant: str):
     """The same BF16 weights held and run in FP32 at TP=1."""
+    import torch
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
-    bf16 = build_tiny_gpt(tiny_gpt_config(tp=1, num_attention_heads=8), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+    bf16 = build_tiny_gpt(tiny_gpt_config(tp=1, num_attention_heads=HEADS), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
     if variant == "outliers":
         _plant_outliers(bf16, ctx)
-    config = tiny_gpt_config(tp=1, num_attention_heads=8, params_dtype=torch.float32,
+    config = tiny_gpt_config(tp=1, num_attention_heads=HEADS, params_dtype=torch.float32,
                              pipeline_dtype=torch.float32, bf16=False)
     model = build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
     model.load_state_dict(bf16.state_dict())
@@ -108,8 +118,10 @@ def _rank_job(ctx, tps: List[int], modes: List[str], variants: List[str]):
     return out if ctx.rank == 0 else None
 
 
-def metrics(logits: Dict, labels: torch.Tensor, tps: List[int], modes: List[str],
+def metrics(logits: Dict, labels, tps: List[int], modes: List[str],
             variants: List[str]) -> List[dict]:
+    import torch
+
     rows = []
     for variant in variants:
         reference = logits[(variant, "fp32-reference", 1)]
@@ -170,25 +182,121 @@ def plot(rows: List[dict], path: str) -> bool:
     return True
 
 
-def run_demo(args) -> int:
-    from megapatch.testing import run_ranks
+def _tp_sizes(text: str) -> List[int]:
+    """argparse type of --tp: TP sizes the demo model can be split into (TP=1, the reference, is
+    always run)."""
+    sizes = []
+    for item in text.split(","):
+        try:
+            size = int(item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} in {text!r} is not an integer; valid TP sizes: "
+                f"{', '.join(map(str, TP_SIZES))}") from None
+        if size not in TP_SIZES:
+            raise argparse.ArgumentTypeError(
+                f"TP size {size} cannot split the demo model (8 heads, hidden 64, FFN 256, vocab "
+                f"{VOCAB}); valid TP sizes: {', '.join(map(str, TP_SIZES))}")
+        sizes.append(size)
+    return sorted(set(sizes) | {1})
 
-    tps = [int(t) for t in args.tp.split(",")]
-    modes = [m.strip() for m in args.modes.split(",")]
+
+def _modes(text: str) -> List[str]:
+    """argparse type of --modes."""
+    chosen = []
+    for item in text.split(","):
+        mode = item.strip()
+        if mode not in MODES:
+            raise argparse.ArgumentTypeError(
+                f"mode {mode!r} is not a tp_reduce_dtype; valid modes: {', '.join(MODES)}")
+        if mode not in chosen:
+            chosen.append(mode)
+    return chosen
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=_tp_sizes, default=None, metavar="SIZES",
+                        help=f"comma-separated TP sizes from {{{', '.join(map(str, TP_SIZES))}}} "
+                             f"(default {DEFAULT_TP}; 1, the reference, is always run)")
+    parser.add_argument("--modes", type=_modes, default=list(MODES), metavar="MODES",
+                        help=f"comma-separated, from {{{', '.join(MODES)}}} (default: all)")
+    parser.add_argument("--plot", default="tp_invariance.png", help="PNG path ('' for none)")
+    parser.add_argument("--json", default="", help="write the table as JSON to this path")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"TP sizes {QUICK_TP} only (2 ranks) unless --tp is given")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the ranks' upstream warnings (hidden and counted by default)")
+
+
+_WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
+
+
+def count_warnings(text: str) -> int:
+    """Python warnings in a captured stderr (``file:line: SomeWarning: message`` lines)."""
+    return sum(1 for line in text.splitlines() if _WARNING_LINE.match(line))
+
+
+def _quietly(fn, verbose: bool):
+    """``(fn(), warnings hidden)``: this process's upstream warnings recorded instead of shown."""
+    if verbose:
+        return fn(), 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        value = fn()
+    return value, len(caught)
+
+
+def run_demo(args) -> int:
+    from megapatch.testing import RankFailure, run_ranks
+
+    tps = args.tp or _tp_sizes(QUICK_TP if args.quick else DEFAULT_TP)
+    modes = list(args.modes)
     variants = ["random", "outliers"]
     world = max(tps)
     started = time.time()
     print(f"megapatch demo: tiny GPT, TP sizes {tps}, modes {modes}, on {world} CPU ranks (gloo)...",
           flush=True)
-    logits = run_ranks(_rank_job, world_size=world, tp=1, args=(tps, modes, variants), timeout=900)[0]
-    labels = _batch().labels
+    stderr_dir = None if args.verbose else tempfile.mkdtemp(prefix="megapatch-demo-")
+    try:
+        try:
+            logits = run_ranks(_rank_job, world_size=world, tp=1, args=(tps, modes, variants),
+                               timeout=900, stderr_dir=stderr_dir)[0]
+        except RankFailure as exc:
+            print(f"megapatch demo failed: {exc}", file=sys.stderr)
+            for rank, text in _rank_logs(stderr_dir):
+                print(f"--- rank {rank} stderr (last lines) ---\n" + "\n".join(text.splitlines()[-20:]),
+                      file=sys.stderr)
+            return 1
+        hidden = sum(count_warnings(text) for _rank, text in _rank_logs(stderr_dir))
+    finally:
+        if stderr_dir:
+            shutil.rmtree(stderr_dir, ignore_errors=True)
+    labels, parent_hidden = _quietly(lambda: _batch().labels, args.verbose)
     rows = metrics(logits, labels, tps, modes, variants)
     print()
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
-    if args.plot and plot(rows, args.plot):
-        print(f"\nplot written to {args.plot}")
-    print(f"\n({time.time() - started:.0f} s)")
+        print(f"\ntable written to {args.json}")
+    if args.plot:
+        written, more = _quietly(lambda: plot(rows, args.plot), args.verbose)
+        parent_hidden += more
+        if written:
+            print(f"\nplot written to {os.path.abspath(args.plot)}")
+    hidden += parent_hidden
+    print(f"\n({time.time() - started:.0f} s" + (f"; {hidden} upstream warnings hidden, --verbose to show)"
+                                               if hidden else ")"))
     return 0
+
+
+def _rank_logs(stderr_dir):
+    if not stderr_dir:
+        return []
+    logs = []
+    for name in sorted(os.listdir(stderr_dir)):
+        match = re.fullmatch(r"rank(\d+)\.stderr", name)
+        if match:
+            with open(os.path.join(stderr_dir, name), errors="replace") as fh:
+                logs.append((int(match.group(1)), fh.read()))
+    return sorted(logs)

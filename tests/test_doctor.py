@@ -1,5 +1,8 @@
-"""`megapatch doctor`: versions, per-patch compatibility, what the environment would enable."""
+"""`megapatch doctor` / `megapatch status`: versions, per-patch compatibility, what the environment
+would do; always a report, never a traceback."""
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -7,14 +10,34 @@ import sys
 
 from conftest import run_python
 
-from megapatch.doctor import diagnose
+from megapatch import engine
+from megapatch.doctor import diagnose, survey
+
+DOCTOR = "import sys; from megapatch.cli import main; sys.exit(main({argv!r}))"
+# An upstream whose surface changed: `_reduce`'s parameters renamed, in place before megatron.core
+# finishes importing (so before megapatch's startup hook can see the original).
+RENAMED_REDUCE = """
+import sys, wrapt
+def rename(mappings):
+    original = mappings._reduce
+    def _reduce(tensor, process_group):
+        return original(tensor, process_group)
+    mappings._reduce = _reduce
+wrapt.register_post_import_hook(rename, "megatron.core.tensor_parallel.mappings")
+from megapatch.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def _cli(argv, env=None, code=DOCTOR):
+    return run_python(code.format(argv=list(argv)), env=env)
 
 
 def test_doctor_reports_versions_and_patches():
-    result = run_python("import sys; from megapatch.cli import main; sys.exit(main(['doctor']))")
-    assert result.returncode == 0, result.stderr
+    result = _cli(["doctor"])
+    assert result.returncode == 0, result.stdout + result.stderr
     for word in ("python", "torch", "megatron-core", "transformer-engine", "wrapt",
-                 "tp_reduce.megatron_core", "compatible", "no MEGAPATCH_* variable set"):
+                 "tp_reduce.megatron_core", "compatible", "no MEGAPATCH_* variable set", "result: OK"):
         assert word in result.stdout
 
 
@@ -29,18 +52,63 @@ def test_doctor_console_script_and_module_entry_point():
 
 
 def test_doctor_says_what_the_environment_enables():
-    result = run_python("import sys; from megapatch.cli import main; sys.exit(main(['doctor']))",
-                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
-    assert result.returncode == 0, result.stderr
+    result = _cli(["doctor"], env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
+    assert result.returncode == 0, result.stdout + result.stderr
     line = next(l for l in result.stdout.splitlines() if l.startswith("tp_reduce.megatron_core"))
     assert " yes " in line and "compatible" in line and "backend:" in line
+    assert "activation: enabled" in result.stdout  # the startup hook ran, as in a job
 
 
 def test_doctor_exit_2_on_invalid_environment():
-    result = run_python("import sys; from megapatch.cli import main; sys.exit(main(['doctor']))",
-                        env={"MEGAPATCH_LOGITS_DTYPE": "fp16"})
+    result = _cli(["doctor"], env={"MEGAPATCH_LOGITS_DTYPE": "fp16"})
     assert result.returncode == 2
     assert "MEGAPATCH_LOGITS_DTYPE='fp16' is refused" in result.stdout
+    # still a full report: versions and every patch's upstream verdict
+    assert "megatron-core" in result.stdout and "tp_reduce.megatron_core" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_doctor_reports_and_exits_1_when_strict_activation_meets_a_changed_upstream():
+    """The case doctor exists for: strict (default) settings, an upstream whose surface changed.
+    The job's activation raises; doctor must show it as a finding, with every row, and exit 1."""
+    result = _cli(["doctor"], env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}, code=RENAMED_REDUCE)
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "Traceback" not in out + result.stderr
+    for name in [p.name for p in engine.patches()]:
+        assert any(line.startswith(name + " ") for line in out.splitlines()), name
+    for word in ("megatron-core", "torch", "wrapt", "environment: MEGAPATCH_TP_REDUCE_DTYPE=fp32",
+                 "env MEGAPATCH_TP_REDUCE_DTYPE"):
+        assert word in out
+    assert "activation: failed" in out and "UpstreamSurfaceError" in out
+    row = next(l for l in out.splitlines() if l.startswith("tp_reduce.megatron_core "))
+    assert "INCOMPATIBLE" in row and "mappings._reduce takes (tensor, process_group)" in row
+    assert "result: requested patch(es) cannot apply: tp_reduce.megatron_core" in out
+
+
+def test_doctor_json_and_status_json_on_a_changed_upstream():
+    for command in ("doctor", "status"):
+        result = _cli([command, "--json"], env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}, code=RENAMED_REDUCE)
+        assert result.returncode == 1, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert report["result"]["code"] == 1
+        assert report["activation"]["state"] == "failed"
+        rows = {r["name"]: r for r in report["patches"]}
+        assert set(rows) == {p.name for p in engine.patches()}
+        assert rows["tp_reduce.megatron_core"]["upstream"] == "INCOMPATIBLE"
+        assert rows["tp_reduce.megatron_core"]["requested"] is True
+        assert rows["tp_reduce.megatron_core"]["would_install"] is False
+        assert report["versions"]["megatron-core"]
+
+
+def test_doctor_exit_1_when_the_startup_hook_never_runs():
+    """Variables set, but nothing activates megapatch (no .pth processed, as with pip --target):
+    FP32 was asked for and the job would silently run native."""
+    code = ("import os, sys; os.environ['MEGAPATCH_TP_REDUCE_DTYPE'] = 'fp32'\n"
+            "from megapatch.cli import main; sys.exit(main(['doctor']))")
+    result = run_python(code)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "activation: not-run" in result.stdout and "megapatch-run" in result.stdout
 
 
 def test_doctor_exit_1_when_a_requested_patch_cannot_apply(monkeypatch):
@@ -57,3 +125,50 @@ def test_doctor_exit_1_when_a_requested_patch_cannot_apply(monkeypatch):
     monkeypatch.delenv("MEGAPATCH_TP_REDUCE_DTYPE")
     code, _ = diagnose()
     assert code == 0  # not requested: reported, but not a failure
+
+
+def _with_patch_replaced(monkeypatch, name, **changes):
+    patches = tuple(dataclasses.replace(p, **changes) if p.name == name else p for p in engine.patches())
+    monkeypatch.setattr(engine, "_patches", patches)
+
+
+def _boom(*_args):
+    raise RuntimeError("upstream __init__ is not a plain function")
+
+
+def test_an_exception_from_a_probe_becomes_a_row(monkeypatch):
+    _with_patch_replaced(monkeypatch, "tp_reduce.megatron_core", probe=_boom)
+    monkeypatch.setenv("MEGAPATCH_TP_REDUCE_DTYPE", "fp32")
+    code, text = diagnose()
+    row = next(l for l in text.splitlines() if l.startswith("tp_reduce.megatron_core "))
+    assert "ERROR" in row and "RuntimeError: upstream __init__ is not a plain function" in row
+    assert code == 1
+    assert any(l.startswith("logits.fp32_lm_head ") for l in text.splitlines())  # the others still reported
+
+
+def test_an_exception_from_a_backend_probe_or_applies_becomes_a_row(monkeypatch):
+    _with_patch_replaced(monkeypatch, "tp_reduce.megatron_core", backend=_boom)
+    _with_patch_replaced(monkeypatch, "logits.fp32_lm_head", applies=_boom)
+    result = survey()
+    rows = {r["name"]: r for r in result["patches"]}
+    assert rows["tp_reduce.megatron_core"]["upstream"] == "ERROR"
+    assert "backend probe raised RuntimeError" in rows["tp_reduce.megatron_core"]["problems"][0]
+    assert "applies raised RuntimeError" in rows["logits.fp32_lm_head"]["problems"][0]
+    assert result["result"]["code"] == 0  # nothing requested: the failures are shown, not fatal
+
+
+def test_status_says_what_the_environment_would_do():
+    result = _cli(["status"], env={"MEGAPATCH_LOGITS_DTYPE": "fp32",
+                                   "MEGAPATCH_SKIP_PATCHES": "logits.fp32_inference"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = next(l for l in lines if l.startswith("patch "))
+    for column in ("requested", "opted-out", "upstream", "would install"):
+        assert column in header
+    assert any(l.startswith("logits_dtype") and "env MEGAPATCH_LOGITS_DTYPE" in l for l in lines)
+    lm_head = next(l for l in lines if l.startswith("logits.fp32_lm_head "))
+    assert lm_head.split()[1:5] == ["yes", "no", "compatible", "yes"]
+    inference = next(l for l in lines if l.startswith("logits.fp32_inference "))
+    assert inference.split()[1:5] == ["yes", "yes", "compatible", "no"] and "opted out" in inference
+    tp = next(l for l in lines if l.startswith("tp_reduce.megatron_core "))
+    assert tp.split()[1] == "no" and "not requested" in tp
