@@ -1,0 +1,231 @@
+"""Bitwise tensor-parallel invariance: the arithmetic behind ``tp_invariant=True``.
+
+Every sum that tensor parallelism splits is computed as W fixed-shape blocks (W =
+``tp_invariant_width``), each block's partial kept in FP32, and the W partials added in one fixed
+pairwise tree: adjacent pairs first, level by level. At TP size t a rank owns W/t consecutive
+blocks, which form a complete subtree of that tree (W/t is a power of two); it computes its
+subtree root locally, the roots are all-gathered in FP32 and every rank computes the top of the
+tree in the same order. The result is rounded once, to the activation dtype.
+
+Every GEMM or transcendental elementwise op on a TP-sharded tensor runs on W/t contiguous blocks
+of the same shape at every TP size, so the same kernel runs on the same data and gives the same
+bits: the block GEMMs run on fresh FP32 copies (exact products, FP32 accumulation), whose shape and
+alignment do not depend on the TP size either.
+
+Only the TP size may change between runs that must agree; the batch, the width W and everything
+else must be the same.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch.distributed import distributed_c10d as c10d
+
+from . import state
+from .errors import OptionError
+
+WIDTH_OPTION, WIDTH_ENV = "tp_invariant_width", "MEGAPATCH_TP_INVARIANT_WIDTH"
+
+
+def active() -> bool:
+    return bool(getattr(state.current(), "tp_invariant", False))
+
+
+def width() -> int:
+    return int(getattr(state.current(), "tp_invariant_width", 8))
+
+
+def blocks_per_rank(group) -> int:
+    """W / t for this TP group; refuses a TP size that does not divide W."""
+    w, t = width(), group_size(group)
+    if w % t:
+        valid = ", ".join(str(v) for v in (2 ** i for i in range(11)) if v % t == 0 and v >= t)
+        raise OptionError(
+            f"megapatch tp_invariant: {WIDTH_OPTION}={w} (env {WIDTH_ENV}) is not a multiple of the "
+            f"tensor-parallel size {t}; results are TP-invariant only for TP sizes dividing the width. "
+            f"Valid widths for TP={t}: {valid}")
+    return w // t
+
+
+def group_size(group) -> int:
+    return 1 if group is None else group.size()
+
+
+def check_divisible(what: str, full: int, local: int, group) -> int:
+    """The block size of a dimension split into W blocks; refuses one W does not divide."""
+    nb = blocks_per_rank(group)
+    if local % nb:
+        raise OptionError(
+            f"megapatch tp_invariant: {what} has size {full}, not divisible by "
+            f"{WIDTH_OPTION}={width()} (env {WIDTH_ENV}); every TP-split dimension must split into "
+            f"W equal blocks. Use a width that divides {full} (a power of two that every TP size "
+            f"divides), or pad the dimension.")
+    return local // nb
+
+
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """A fresh, contiguous FP32 copy: same shape, layout and alignment at every TP size."""
+    return t.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
+def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Pairwise sum of a power-of-two number of tensors: adjacent pairs, level by level."""
+    parts = list(parts)
+    if len(parts) & (len(parts) - 1):
+        raise ValueError(f"tree_sum needs a power-of-two count, got {len(parts)}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def invariant_sum(partials: Sequence[torch.Tensor], group) -> torch.Tensor:
+    """The fixed-tree FP32 sum of all W block partials, given this rank's W/t of them (every
+    rank gets the same bits)."""
+    root = tree_sum(partials)
+    t = group_size(group)
+    if t == 1:
+        return root
+    flat = root.reshape(-1).contiguous()
+    gathered = torch.empty(t * flat.numel(), dtype=root.dtype, device=root.device)
+    _all_gather_single(gathered, flat, group=group)
+    return tree_sum([part.view_as(root) for part in gathered.view(t, -1).unbind(0)])
+
+
+# torch >= 2.13 names it all_gather_single (and deprecates the old name)
+_all_gather_single = getattr(c10d, "all_gather_single", None) or c10d.all_gather_into_tensor
+
+
+def _slices(size: int, nb: int) -> List[slice]:
+    step = size // nb
+    return [slice(i * step, (i + 1) * step) for i in range(nb)]
+
+
+class ColumnParallel(torch.autograd.Function):
+    """A column-parallel linear (output dim split over TP), optionally summing dgrad over TP.
+
+    forward: each block of N/W output features is one [M, K] x [K, N/W] FP32 GEMM (+ bias),
+    rounded once. backward: dgrad is the tree sum of the W blocks' [M, N/W] x [N/W, K] partials
+    (over the TP group when ``reduce_dgrad``); wgrad and bias grad are per block."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
+        x2 = f32(x.reshape(-1, x.shape[-1]))
+        outs = []
+        for sl in _slices(weight.shape[0], nb):
+            out = x2 @ f32(weight[sl]).t()
+            if bias is not None:
+                out = out + f32(bias[sl])
+            outs.append(out)
+        out = torch.cat(outs, dim=-1).to(out_dtype or x.dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2 = f32(x.reshape(-1, x.shape[-1]))
+        g2 = grad.reshape(-1, grad.shape[-1])
+        partials, wgrads, bgrads = [], [], []
+        for sl in _slices(weight.shape[0], ctx.nb):
+            gb = f32(g2[:, sl])
+            if ctx.needs_input_grad[0]:
+                partials.append(gb @ f32(weight[sl]))
+            if ctx.needs_input_grad[1]:
+                wgrads.append(gb.t() @ x2)
+            if ctx.has_bias:
+                bgrads.append(gb.sum(dim=0))
+        dgrad = wgrad = bgrad = None
+        if partials:
+            group = ctx.group if ctx.reduce_dgrad else None
+            dgrad = invariant_sum(partials, group).to(x.dtype).view(x.shape)
+        if wgrads:
+            wgrad = torch.cat(wgrads, dim=0).to(weight.dtype)
+        if bgrads:
+            bgrad = torch.cat(bgrads).to(weight.dtype)
+        return dgrad, wgrad, bgrad, None, None, None, None
+
+
+class RowParallel(torch.autograd.Function):
+    """A row-parallel linear (input dim K split over TP) *including* its TP sum.
+
+    forward: each block of K/W input features is one [M, K/W] x [K/W, N] FP32 GEMM; the W
+    partials go through the fixed tree (across the TP group) and are rounded once. The output is
+    the same on every rank, so its gradient is too; dgrad and wgrad are per block."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, nb):
+        ctx.save_for_backward(x, weight)
+        ctx.nb = nb
+        x2 = x.reshape(-1, x.shape[-1])
+        partials = [f32(x2[:, sl]) @ f32(weight[:, sl]).t() for sl in _slices(weight.shape[1], nb)]
+        out = invariant_sum(partials, group).to(x.dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        g2 = f32(grad.reshape(-1, grad.shape[-1]))
+        dgrads, wgrads = [], []
+        for sl in _slices(weight.shape[1], ctx.nb):
+            if ctx.needs_input_grad[0]:
+                dgrads.append(g2 @ f32(weight[:, sl]))
+            if ctx.needs_input_grad[1]:
+                wgrads.append(g2.t() @ f32(x2[:, sl]))
+        dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
+        wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype) if wgrads else None
+        return dgrad, wgrad, None, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient, so that the elementwise backward
+    before it sees the same layout at every TP size."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def blocked_elementwise(fn: Callable, x: torch.Tensor, nb: int) -> torch.Tensor:
+    """``fn`` applied to W/t contiguous blocks of the last dim of a TP-sharded ``x``.
+
+    CPU (and GPU) elementwise kernels run a vector body and a scalar tail whose transcendental
+    functions may round differently; on equal-shaped contiguous blocks every element lands in the
+    same place at every TP size, forward and backward."""
+    step = x.shape[-1] // nb
+    if nb == 1 and x.is_contiguous():
+        return _ContiguousGrad.apply(fn(x))
+    outs = [_ContiguousGrad.apply(fn(x[..., i * step:(i + 1) * step].contiguous()))
+            for i in range(nb)]
+    return torch.cat(outs, dim=-1)
+
+
+def sum_exp_partials(exp_logits: torch.Tensor, nb: int) -> List[torch.Tensor]:
+    """Per-block FP32 sums over the vocab shard's last dim (W/t blocks of V/W)."""
+    e2 = exp_logits.reshape(-1, exp_logits.shape[-1])
+    return [f32(e2[:, sl]).sum(dim=-1) for sl in _slices(e2.shape[-1], nb)]
+
+
+def squared_norm(grad: torch.Tensor, partition_dim: Optional[int], group) -> torch.Tensor:
+    """Sum of squares of a (possibly TP-sharded) gradient, the same at every TP size.
+
+    Sharded (``partition_dim`` given): W blocks along the partition dim through the fixed tree
+    across the group. Replicated: one FP32 sum of the whole tensor, computed alike by every rank."""
+    if partition_dim is None:
+        g = f32(grad)
+        return (g * g).sum()
+    nb = check_divisible(f"a gradient of shape {tuple(grad.shape)} (partition dim {partition_dim})",
+                         grad.shape[partition_dim] * group_size(group), grad.shape[partition_dim],
+                         group)
+    partials = []
+    for i in range(blocks_per_rank(group)):
+        g = f32(grad.narrow(partition_dim, i * nb, nb))
+        partials.append((g * g).sum())
+    return invariant_sum([p.reshape(1) for p in partials], group)[0]

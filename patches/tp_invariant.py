@@ -1,0 +1,271 @@
+"""Bitwise TP invariance (``tp_invariant=True``): megatron-core's local layers give the same bits
+at every TP size dividing ``tp_invariant_width`` (W). The arithmetic is in ``megapatch.tp_invariant``.
+
+Every TP-dependent computation of a GPT forward and backward, and where it is handled:
+
+* ``ColumnParallelLinear._forward_impl``: the GEMM runs per block of N/W output features; the
+  dgrad (summed over TP upstream) goes through the fixed tree; wgrad and bias grad per block.
+* ``RowParallelLinear.forward``: the K-split GEMM and its TP all-reduce become one fixed-tree sum
+  of W blocks of K/W; dgrad/wgrad per block. The bias is added after the sum, as upstream.
+* ``VocabParallelCrossEntropy.calculate_predicted_logits``: the sum of exp(logits) over the vocab
+  goes through the fixed tree. Its result is handed to upstream's all-reduce on TP rank 0 only
+  (zeros elsewhere): a sum of one value and zeros is exact, so upstream's reduction keeps the bits.
+  The logits max and the target-logit sum (one non-zero per token) are exact in any order.
+* ``MLP.forward``: the activation (and its backward) runs on equal-shaped blocks of the FFN shard,
+  since elementwise kernels round differently in their vector body and scalar tail.
+* ``get_grad_norm_fp32`` (inside an optimizer's ``get_grad_norm``/``clip_grad_norm``): the sum of
+  squared gradients per parameter goes through the fixed tree along its partition dim, parameters
+  added in their fixed order.
+
+Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
+all-gathers, layer norms and replicated parameters' gradients (same full tensors on every rank),
+core attention (per head), the loss average, Adam (elementwise).
+
+Refused in this mode (with the reason): sequence parallelism, Transformer Engine modules, fused
+bias-activation, gated linear units, gradient-accumulation fusion, deferred embedding wgrad,
+expert-parallel layers, the distributed optimizer, pipeline-parallel grad norms, and
+``tp_reduce_dtype`` other than native (this mode already sums in FP32 through its own tree).
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from megapatch import fp32_linear, state
+from megapatch import tp_invariant as tpi
+from megapatch.args import argument
+from megapatch.errors import OptionError, UnsupportedConfigurationError
+from megapatch.registry import Patch, Target
+
+LAYERS = "megatron.core.tensor_parallel.layers"
+CROSS_ENTROPY = "megatron.core.tensor_parallel.cross_entropy"
+MLP = "megatron.core.transformer.mlp"
+OPTIMIZER = "megatron.core.optimizer.optimizer"
+CLIP_GRADS = "megatron.core.optimizer.clip_grads"
+
+_norm_owner = contextvars.ContextVar("megapatch_tp_invariant_norm_owner", default=None)
+
+
+def _refuse(what: str, why: str):
+    raise UnsupportedConfigurationError(
+        f"megapatch tp_invariant=True (env MEGAPATCH_TP_INVARIANT) does not support {what}: {why}. "
+        f"Turn it off, or unset MEGAPATCH_TP_INVARIANT.")
+
+
+def _applies(settings) -> bool:
+    if not getattr(settings, "tp_invariant", False):
+        return False
+    # refused here, before enable() changes anything: the two modes wrap the same layers
+    if settings.tp_reduce_dtype != "native":
+        raise OptionError(
+            f"megapatch tp_invariant=True cannot be combined with tp_reduce_dtype="
+            f"{settings.tp_reduce_dtype!r} (env MEGAPATCH_TP_REDUCE_DTYPE): tp_invariant already sums "
+            f"every TP-split reduction in FP32 through its fixed tree and rounds once. Leave "
+            f"tp_reduce_dtype at 'native' (valid with tp_invariant: native).")
+    return True
+
+
+def _tp_group(layer):
+    group = getattr(layer, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
+
+
+def _refuse_te(layer) -> None:
+    if "transformer_engine" in type(layer).__module__:
+        _refuse(f"{type(layer).__qualname__}", "Transformer Engine GEMMs choose their kernels by shape")
+
+
+# -- linear layers -------------------------------------------------------------------------------
+
+def _column_forward_impl(wrapped, instance, args, kwargs):
+    if not tpi.active():
+        return wrapped(*args, **kwargs)
+    input_ = argument(args, kwargs, 0, "input")
+    weight = argument(args, kwargs, 1, "weight")
+    bias = argument(args, kwargs, 2, "bias", None)
+    if argument(args, kwargs, 3, "gradient_accumulation_fusion", False):
+        _refuse("gradient_accumulation_fusion", "its fused wgrad GEMM accumulates by shape")
+    if argument(args, kwargs, 5, "sequence_parallel", False):
+        _refuse("sequence_parallel", "not implemented for this mode yet")
+    if argument(args, kwargs, 6, "grad_output_buffer", None) is not None:
+        _refuse("defer_embedding_wgrad_compute", "the deferred wgrad runs outside this layer")
+    if getattr(instance, "explicit_expert_comm", False):
+        _refuse("expert-parallel linear layers", "not implemented for this mode yet")
+    group = _tp_group(instance)
+    allreduce_dgrad = argument(args, kwargs, 4, "allreduce_dgrad", False)
+    if tpi.group_size(group) > 1 and not allreduce_dgrad:
+        _refuse("a column-parallel layer whose dgrad is reduced outside it",
+                "that reduction would sum TP partials natively")
+    nb = tpi.blocks_per_rank(group)
+    tpi.check_divisible(f"{type(instance).__name__} output features",
+                        weight.shape[0] * tpi.group_size(group), weight.shape[0], group)
+    # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
+    out_dtype = fp32_linear._requested.get()
+    return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype)
+
+
+def _row_forward(wrapped, instance, args, kwargs):
+    if not tpi.active():
+        return wrapped(*args, **kwargs)
+    input_ = argument(args, kwargs, 0, "input_")
+    if getattr(instance, "sequence_parallel", False):
+        _refuse("sequence_parallel", "not implemented for this mode yet")
+    if getattr(instance, "explicit_expert_comm", False):
+        _refuse("expert-parallel linear layers", "not implemented for this mode yet")
+    if getattr(instance, "gradient_accumulation_fusion", False):
+        _refuse("gradient_accumulation_fusion", "its fused wgrad GEMM accumulates by shape")
+    group = _tp_group(instance)
+    if not instance.input_is_parallel:
+        from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+
+        input_ = scatter_to_tensor_model_parallel_region(input_, group=group)
+    weight = instance.weight
+    nb = tpi.blocks_per_rank(group)
+    tpi.check_divisible(f"{type(instance).__name__} input features",
+                        weight.shape[1] * tpi.group_size(group), weight.shape[1], group)
+    output = tpi.RowParallel.apply(input_, weight, group, nb)
+    if instance.skip_bias_add:
+        return output, instance.bias
+    return (output + instance.bias if instance.bias is not None else output), None
+
+
+# -- cross entropy -------------------------------------------------------------------------------
+
+def _predicted_logits(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if not tpi.active():
+        return result
+    from megatron.core import parallel_state
+
+    target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits = result
+    group = parallel_state.get_tensor_model_parallel_group()
+    nb = tpi.blocks_per_rank(group)
+    tpi.check_divisible("the vocabulary (cross entropy)", exp_logits.shape[-1] * tpi.group_size(group),
+                        exp_logits.shape[-1], group)
+    total = tpi.invariant_sum(tpi.sum_exp_partials(exp_logits, nb), group).view_as(sum_exp_logits)
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        total = torch.zeros_like(total)  # upstream's all-reduce then adds exact zeros
+    return target_mask, masked_target_1d, predicted_logits, total.to(sum_exp_logits.dtype), exp_logits
+
+
+# -- MLP activation ------------------------------------------------------------------------------
+
+def _mlp_forward(wrapped, instance, args, kwargs):
+    if not tpi.active():
+        return wrapped(*args, **kwargs)
+    config = instance.config
+    if getattr(config, "use_te_activation_func", False):
+        _refuse("use_te_activation_func", "Transformer Engine kernels choose their blocking by shape")
+    if config.bias_activation_fusion:
+        _refuse("bias_activation_fusion", "the fused kernels run on the whole TP shard")
+    if config.gated_linear_unit:
+        _refuse("gated_linear_unit", "not implemented for this mode yet")
+    _refuse_te(instance.linear_fc1)
+    group = _tp_group(instance.linear_fc1)
+    nb = tpi.blocks_per_rank(group)
+    activation = instance.activation_func
+    instance.activation_func = lambda x: tpi.blocked_elementwise(activation, x, nb)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        instance.activation_func = activation
+
+
+# -- gradient norm -------------------------------------------------------------------------------
+
+def _norm_owner_scope(wrapped, instance, args, kwargs):
+    if not tpi.active():
+        return wrapped(*args, **kwargs)
+    token = _norm_owner.set(instance)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _norm_owner.reset(token)
+
+
+def _grad_norm_fp32(wrapped, instance, args, kwargs):
+    norm_type = float(argument(args, kwargs, 1, "norm_type", 2))
+    if not tpi.active() or norm_type == float("inf"):  # a max is order-independent
+        return wrapped(*args, **kwargs)
+    owner = _norm_owner.get()
+    if owner is None:
+        _refuse("get_grad_norm_fp32 outside an optimizer's get_grad_norm/clip_grad_norm",
+                "the invariant norm needs the parameters' partition dims")
+    if norm_type != 2.0:
+        _refuse(f"a grad norm of type {norm_type}", "only the 2-norm (and inf) is invariant")
+    from megatron.core import parallel_state
+    from megatron.core.transformer.module import param_is_not_shared
+
+    if any(type(o).__name__ == "DistributedOptimizer" for o in _optimizers(owner)):
+        _refuse("the distributed optimizer", "its flat main-parameter shards have no partition dim")
+    tp_group = getattr(owner, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+    stats_group = argument(args, kwargs, 2, "grad_stats_parallel_group", None)
+    if stats_group is not None and stats_group.size() != tpi.group_size(tp_group):
+        _refuse("a grad norm over pipeline or data-parallel ranks",
+                "only the tensor-parallel sum is made invariant")
+    decoupled = getattr(owner.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+    total = torch.zeros((), dtype=torch.float32)
+    for param in owner.get_parameters():
+        grad = getattr(param, "decoupled_grad", None) if decoupled else param.grad
+        if grad is None or not param_is_not_shared(param):
+            continue
+        sharded = getattr(param, "tensor_model_parallel", False)
+        dim = param.partition_dim if sharded else None
+        total = total + tpi.squared_norm(grad, dim, tp_group if sharded else None).cpu()
+    return total.item() ** 0.5
+
+
+def _optimizers(owner):
+    return list(getattr(owner, "chained_optimizers", None) or [owner])
+
+
+PATCHES = (
+    Patch(
+        name="tp_invariant.tensor_parallel",
+        option="tp_invariant",
+        summary="TP-invariant linear layers and vocab-parallel cross entropy (fixed-tree FP32 sums)",
+        hook="megatron.core.tensor_parallel",
+        applies=_applies,
+        watches=(f"{LAYERS}:ColumnParallelLinear.forward", f"{CROSS_ENTROPY}:_VocabParallelCrossEntropy.forward"),
+        targets=(
+            Target(LAYERS, "ColumnParallelLinear._forward_impl", _column_forward_impl, kind="method",
+                   params=("self", "input", "weight")),
+            Target(LAYERS, "RowParallelLinear.forward", _row_forward, kind="method",
+                   params=("self", "input_")),
+            Target(CROSS_ENTROPY, "VocabParallelCrossEntropy.calculate_predicted_logits",
+                   _predicted_logits, kind="staticmethod",
+                   params=("vocab_parallel_logits", "target", "logits_max")),
+        ),
+    ),
+    Patch(
+        name="tp_invariant.mlp",
+        option="tp_invariant",
+        summary="TP-invariant MLP activation (equal-shaped blocks of the FFN shard)",
+        hook=MLP,
+        applies=_applies,
+        targets=(Target(MLP, "MLP.forward", _mlp_forward, kind="method", params=("self", "hidden_states")),),
+    ),
+    Patch(
+        name="tp_invariant.grad_norm",
+        option="tp_invariant",
+        summary="TP-invariant gradient norm for clipping (fixed-tree FP32 sum of squares)",
+        hook=OPTIMIZER,
+        applies=_applies,
+        targets=(
+            Target(CLIP_GRADS, "get_grad_norm_fp32", _grad_norm_fp32,
+                   params=("grads_for_norm", "norm_type", "grad_stats_parallel_group")),
+            Target(OPTIMIZER, "MegatronOptimizer.get_grad_norm", _norm_owner_scope, kind="method",
+                   params=("self",)),
+            Target(OPTIMIZER, "MegatronOptimizer.clip_grad_norm", _norm_owner_scope, kind="method",
+                   params=("self", "clip_grad")),
+            Target(OPTIMIZER, "ChainedOptimizer.get_grad_norm", _norm_owner_scope, kind="method",
+                   params=("self",)),
+        ),
+    ),
+)
