@@ -1,0 +1,116 @@
+"""megapatch-run: flags generated from the options, the environment it hands the command, and its
+sitecustomize (activation once per process, chained to the user's own sitecustomize).
+
+The ``pip install --target`` case (no .pth read at all) is in tests/test_install.py.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megapatch import options, run
+from conftest import REPO
+
+
+def _launch(args, env_extra=None, timeout=180):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "megapatch.run", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_option_has_a_flag_that_sets_its_variable():
+    parser = run.parser()
+    flags = {a.dest: a.option_strings for a in parser._actions}
+    for option in options.OPTIONS:
+        flag = "--" + option.name.replace("_", "-")
+        assert flag in flags[option.name], option.name
+        is_bool = option.boolean or getattr(option, "kind", "") == "boolean"
+        if is_bool:
+            assert "--no-" + option.name.replace("_", "-") in flags[option.name]
+            args = parser.parse_args([flag, "python"])
+            assert run.environment(args, base={})[option.env] == "1"
+            args = parser.parse_args(["--no-" + flag[2:], "python"])
+            assert run.environment(args, base={})[option.env] == "0"
+    args = parser.parse_args(["--tp-reduce-dtype", "fp32", "--logits-dtype", "float32", "torchrun",
+                              "--nproc-per-node", "2", "train.py", "--tp-reduce-dtype", "x"])
+    env = run.environment(args, base={"PYTHONPATH": "/elsewhere", "MEGAPATCH_STRICT": "0"})
+    assert env["MEGAPATCH_TP_REDUCE_DTYPE"] == "fp32"
+    assert env["MEGAPATCH_LOGITS_DTYPE"] == "float32"  # the child parses it as megapatch does
+    assert env["MEGAPATCH_STRICT"] == "0"  # kept: no flag overrides it
+    assert env["PYTHONPATH"].split(os.pathsep) == [run.BOOTSTRAP_DIR, "/elsewhere"]
+    # the command keeps its own arguments, even ones that look like megapatch-run's
+    assert args.command == ["torchrun", "--nproc-per-node", "2", "train.py", "--tp-reduce-dtype", "x"]
+
+
+def test_bootstrap_dir_holds_only_sitecustomize():
+    """The directory goes first on sys.path of every process: it must shadow nothing else."""
+    shipped = [n for n in os.listdir(run.BOOTSTRAP_DIR) if n != "__pycache__"]
+    assert shipped == ["sitecustomize.py"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp-reduce-dtype", "fp16", "true"], "--tp-reduce-dtype='fp16' is not valid"),
+    (["--logits-dtype", "fp16", "true"], "refused"),
+    (["--tp-reduce-dtype", "fp32"], "no command given"),
+])
+def test_bad_arguments_are_usage_errors(argv, message):
+    result = _launch(argv)
+    assert result.returncode == 2
+    assert "usage: megapatch-run" in result.stderr and message in result.stderr
+
+
+def test_missing_command_exits_127():
+    result = _launch(["--", "megapatch-no-such-command"])
+    assert result.returncode == 127 and "command not found: megapatch-no-such-command" in result.stderr
+
+
+def test_exit_status_and_arguments_pass_through():
+    result = _launch(["--", sys.executable, "-c", "import sys; print(sys.argv[1:]); sys.exit(7)",
+                      "--strict", "a b"])
+    assert result.returncode == 7
+    assert result.stdout.strip() == "['--strict', 'a b']"
+
+
+def test_activates_once_where_pth_and_sitecustomize_both_run(tmp_path):
+    """This environment's .pth and the launcher's sitecustomize both arm megapatch: one finder,
+    one activation. The command is a shell that starts Python, as torchrun or srun would."""
+    code = textwrap.dedent("""
+        import sys
+        triggers = sum(getattr(f, "megapatch_trigger", False) for f in sys.meta_path)
+        import megapatch.engine as engine
+        calls = []
+        enable = engine.enable
+        engine.enable = lambda *a, **k: (calls.append(a or k), enable(*a, **k))[1]
+        import megatron.core
+        import megapatch
+        print("TRIGGERS", triggers, "ENABLES", len(calls), "SITECUSTOMIZE",
+              sys.modules["sitecustomize"].__file__)
+        print("ACTIVE", ",".join(megapatch.status().active))
+    """)
+    script = tmp_path / "child.py"
+    script.write_text(code)
+    result = _launch(["--tp-reduce-dtype", "fp32", "sh", "-c", f'"{sys.executable}" "{script}"'])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TRIGGERS 1 ENABLES 1" in result.stdout
+    assert os.path.join("bootstrap", "sitecustomize.py") in result.stdout
+    assert "tp_reduce.megatron_core" in result.stdout
+
+
+def test_chains_to_the_users_sitecustomize(tmp_path):
+    user = tmp_path / "user_site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
+    code = ("import os, sys; print(os.environ.get('USER_SITECUSTOMIZE'), "
+            "sys.modules['sitecustomize'].__file__, "
+            "sum(getattr(f, 'megapatch_trigger', False) for f in sys.meta_path))")
+    for flags in (["--tp-reduce-dtype", "fp32"], []):
+        result = _launch(flags + ["--", sys.executable, "-c", code], {"PYTHONPATH": str(user)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        ran, module, triggers = result.stdout.split()
+        assert ran == "ran" and module == str(user / "sitecustomize.py")
+        assert triggers == ("1" if flags else "0")

@@ -1,0 +1,124 @@
+"""The startup hook (megapatch-startup.pth -> megapatch._bootstrap): nothing heavy until megatron is
+imported, then activation from the environment, once; errors only in the process importing megatron.
+
+Each test runs a fresh interpreter of this environment, where pip installed megapatch (and so its
+.pth): ``tests/test_activation.py`` checks that the hook is installed.
+"""
+
+import ast
+import os
+import textwrap
+
+from conftest import REPO, run_python
+
+FP32 = {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}
+# what the hook itself may add to a process that never imports megatron
+HOOK_MODULES = {"megapatch", "megapatch._bootstrap", "megapatch.errors"}
+STATUS = """
+import megapatch
+s = megapatch.status()
+print("ENABLED", s.enabled, "ACTIVE", ",".join(s.active), "SOURCE", s.sources["tp_reduce_dtype"])
+"""
+
+
+def _modules(env):
+    result = run_python("import sys; print(sorted(sys.modules)); "
+                        "print(sum(getattr(f, 'megapatch_trigger', False) for f in sys.meta_path))",
+                        env=env)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    modules, triggers = result.stdout.splitlines()
+    return set(ast.literal_eval(modules)), int(triggers)
+
+
+def test_a_variable_alone_imports_nothing_heavy():
+    plain, no_trigger = _modules({})
+    hooked, triggers = _modules(FP32)
+    assert no_trigger == 0 and triggers == 1  # the hook ran, and installed one finder
+    assert hooked - plain <= HOOK_MODULES, sorted(hooked - plain - HOOK_MODULES)
+    for heavy in ("wrapt", "megapatch.engine", "megapatch.options", "importlib.metadata", "asyncio",
+                  "torch", "logging"):
+        assert heavy not in hooked
+
+
+def test_activates_after_megatron_core_is_imported():
+    result = run_python(textwrap.dedent("""
+        import sys
+        assert "megapatch.engine" not in sys.modules
+        import megatron.core
+        assert "megapatch.engine" in sys.modules
+    """) + STATUS, env=FP32)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ENABLED True" in result.stdout
+    assert "tp_reduce.megatron_core" in result.stdout
+    assert "SOURCE env MEGAPATCH_TP_REDUCE_DTYPE" in result.stdout
+
+
+def test_explicit_enable_wins_over_an_invalid_environment_value():
+    """issue 11 defect 6: the argument replaced the variable, so its bad value must not matter."""
+    env = {"MEGAPATCH_TP_REDUCE_DTYPE": "bogus"}
+    result = run_python(textwrap.dedent("""
+        import megapatch
+        megapatch.enable(tp_reduce_dtype="fp32")
+        import megatron.core
+    """) + STATUS, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ENABLED True" in result.stdout and "tp_reduce.megatron_core" in result.stdout
+    assert "SOURCE enable()" in result.stdout
+    # without the argument the same variable stops the import, naming it
+    stopped = run_python("import megatron.core", env=env)
+    assert stopped.returncode != 0
+    assert "MEGAPATCH_TP_REDUCE_DTYPE='bogus' is not valid" in stopped.stderr
+
+
+def _without_wrapt(tmp_path):
+    """A directory that shadows wrapt with a module failing as a missing wrapt does."""
+    (tmp_path / "wrapt.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'wrapt'\", name='wrapt')\n")
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_missing_wrapt_stops_only_the_megatron_process(tmp_path):
+    """issue 11 defect 9: requested but impossible must not train unpatched with exit code 0."""
+    env = {**_without_wrapt(tmp_path), **FP32}
+    quiet = run_python("import json; print('fine')", env=env)
+    assert quiet.returncode == 0 and quiet.stdout.strip() == "fine" and not quiet.stderr
+    stopped = run_python("import megatron.core; print('trained unpatched')", env=env)
+    assert stopped.returncode != 0
+    assert "trained unpatched" not in stopped.stdout
+    assert "No module named 'wrapt'" in stopped.stderr
+    assert "MEGAPATCH_TP_REDUCE_DTYPE='fp32'" in stopped.stderr
+    assert "pip install 'wrapt>=2.0'" in stopped.stderr
+    # a retried import is refused again, never half-activated
+    retried = run_python("""
+        try:
+            import megatron.core
+        except Exception:
+            pass
+        import megatron.core
+        print('trained unpatched')
+    """, env=env)
+    assert retried.returncode != 0 and "trained unpatched" not in retried.stdout
+
+
+def test_missing_wrapt_without_a_request_stays_quiet(tmp_path):
+    env = {**_without_wrapt(tmp_path), "MEGAPATCH_STRICT": "0"}  # a setting, no change requested
+    result = run_python("import megatron.core; print('ran')", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ran"
+
+
+def test_misspelled_variable_warns_when_megatron_is_imported_not_at_start():
+    env = {"MEGAPATCH_TP_REDUCE_DTPYE": "fp32"}
+    quiet = run_python("pass", env={**env, "PYTHONWARNINGS": "default"})
+    assert quiet.returncode == 0 and not quiet.stderr
+    warned = run_python("import megatron.core", env={**env, "PYTHONWARNINGS": "default"})
+    assert warned.returncode == 0, warned.stderr[-3000:]
+    assert "MEGAPATCH_TP_REDUCE_DTPYE" in warned.stderr
+    assert "did you mean MEGAPATCH_TP_REDUCE_DTYPE" in warned.stderr
+
+
+def test_startup_pth_calls_the_bootstrap():
+    with open(os.path.join(REPO, "megapatch-startup.pth")) as f:
+        line = f.read().strip()
+    assert line.startswith("import ") and "\n" not in line  # site runs one import line
+    assert "megapatch._bootstrap" in line and "activate_from_environment" in line
