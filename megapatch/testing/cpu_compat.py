@@ -87,6 +87,21 @@ def _noop_synchronize(_original):
     return synchronize
 
 
+def _cpu_current_stream(_original):
+    # Replaces ``torch.cuda.current_stream()`` in megatron-core >= 0.19's
+    # _ParamAndGradBucketGroup.start_grad_sync (distributed/param_and_grad_buffer.py),
+    # which waits on the stream for ``param._cudagraph_wgrad_ready_event`` (set only
+    # by CUDA-graph replay) before reading the gradients.  On CPU every op has
+    # finished when its Python call returns, so torch's own CPU stream stands in:
+    # its ``wait_event``/``wait_stream`` order nothing because nothing is pending.
+    import torch
+
+    def current_stream(device=None):
+        return torch.cpu.current_stream()
+
+    return current_stream
+
+
 def _cpu_get_rng_state(_original):
     # Replaces random._get_cuda_rng_state (torch.cuda.random.get_rng_state /
     # torch.cuda.default_generators). Used by CudaRNGStatesTracker.fork,
@@ -169,6 +184,12 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
         "synchronize",
         "torch.cuda.synchronize() after batch_isend_irecv in p2p_communication",
         _noop_synchronize,
+    ),
+    Workaround(
+        "torch.cuda",
+        "current_stream",
+        "torch.cuda.current_stream() waited on before the gradient reduction (mcore >= 0.19)",
+        _cpu_current_stream,
     ),
     Workaround(
         _RANDOM_MODULE,
