@@ -1,0 +1,95 @@
+"""Command-line conventions: --version, exit codes in --help, demo usage errors, a quiet demo."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import megapatch
+from megapatch.cli import main
+from megapatch.demo import TP_SIZES, count_warnings
+
+from conftest import REPO
+
+
+def _usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megapatch {megapatch.__version__}"
+
+
+def test_help_documents_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "exit codes:" in out
+    for code in ("0", "1", "2"):
+        assert re.search(rf"^\s+{code}\s+\S", out, re.M), code
+    for command in ("doctor", "status", "demo", "lock"):
+        assert command in out
+
+
+@pytest.mark.parametrize("tp", ["3", "0", "1,2,16", "-2", "two"])
+def test_demo_rejects_tp_sizes_the_model_cannot_take(tp, capsys):
+    err = _usage_error(["demo", "--tp", tp], capsys)
+    assert "argument --tp" in err and "valid TP sizes: " + ", ".join(map(str, TP_SIZES)) in err
+    bad = next(item for item in tp.split(",") if item not in ("1", "2"))
+    assert bad in err
+    assert "Traceback" not in err
+
+
+def test_demo_rejects_unknown_modes(capsys):
+    err = _usage_error(["demo", "--modes", "native,bogus"], capsys)
+    assert "argument --modes" in err and "'bogus'" in err
+    assert "valid modes: native, fp32-accumulate, fp32" in err
+
+
+def test_demo_tp_sizes_always_include_the_reference():
+    from megapatch.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--tp", "4,2,4", "--modes", "fp32,native,fp32"])
+    assert args.tp == [1, 2, 4]
+    assert args.modes == ["fp32", "native"]
+
+
+def test_count_warnings():
+    text = ("/x/y.py:114: UserWarning: Apex is not installed\n  warnings.warn(\n"
+            "/x/z.py:3: FutureWarning: deprecated\n  foo()\nplain line: Warning: not one\n")
+    assert count_warnings(text) == 2
+
+
+def test_demo_quick_keeps_upstream_warnings_out_of_the_way(tmp_path):
+    """The main job, as a newcomer runs it: progress, the table and where the plot went; the
+    ranks' upstream warnings (TE/Apex missing, deprecations) hidden and counted."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env["PYTHONWARNINGS"] = "default"  # as in a fresh shell: warnings shown unless we hide them
+    plot = tmp_path / "tp.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "megapatch", "demo", "--quick", "--modes", "native,fp32",
+         "--plot", str(plot), "--json", str(tmp_path / "tp.json")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "TP=1: done" in out and "TP=2: done" in out
+    assert re.search(r"^\| outliers \| fp32 \| 2 \|", out, re.M)
+    hidden = re.search(r"; (\d+) upstream warnings hidden, --verbose to show\)", out)
+    assert hidden and int(hidden.group(1)) > 0, out  # there were warnings, and they were hidden
+    assert count_warnings(result.stderr) == 0, result.stderr
+    assert "Warning" not in out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in result.stderr
+    else:
+        assert f"plot written to {plot}" in out and plot.exists()
+    assert (tmp_path / "tp.json").exists()
