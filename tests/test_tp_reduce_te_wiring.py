@@ -9,7 +9,7 @@
    must each be reported.
 2. The wrappers' logic and contracts, on CPU: single-process tests with a fake TP group, and
    4 gloo ranks holding 256, 1, 1, -256 in BF16 (exact sum 2). The reduce helpers are either
-   TE's own, wrapped by megapatch (``te``: needs TE importable, e.g. /work/venv-te; skipped
+   TE's own, wrapped by megapatch (``te``: needs TE importable, e.g. a venv with TE; skipped
    otherwise, and labelled so), or stand-ins with TE's documented contract wrapped by the patch's
    own wrapper functions (``standin``: runs everywhere). No TE kernel runs: TE's GEMM is replaced
    by a CPU stand-in with its calling convention.
@@ -56,7 +56,7 @@ def _te_installed() -> bool:
 
 HAVE_TE = _te_installed()
 needs_te = pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine not importable here (extra to the "
-                                                  "static check; runs in a venv with TE, e.g. /work/venv-te)")
+                                                  "static check; runs in a venv with TE installed)")
 IMPLS = ["standin", pytest.param("te", marks=needs_te)]
 BF16 = torch.bfloat16
 
