@@ -1,0 +1,81 @@
+"""The TE wiring verdict is computed once per TE installation (megapatch.te_verdict): a later
+process reads it without importing the static checker; another TE (or an edited file) is checked
+again; an unwritable cache means checking every time, never an error."""
+
+import os
+import sys
+
+import pytest
+
+from megapatch import te_verdict, te_wiring
+from conftest import run_python
+
+
+@pytest.fixture
+def te_tree(tmp_path, monkeypatch):
+    """A stand-in TE source tree, a private cache dir, and a counting checker."""
+    root = tmp_path / "site"
+    module = root / "transformer_engine" / "pytorch" / "module"
+    module.mkdir(parents=True)
+    (root / "transformer_engine" / "__init__.py").write_text("")
+    (root / "transformer_engine" / "pytorch" / "__init__.py").write_text("")
+    (module / "linear.py").write_text("def allreduce(inp, tp_group=None, async_op=False):\n    pass\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls = []
+
+    def check(sources):
+        calls.append(sources.label)
+        return [f"problem seen in {len(sources.files('transformer_engine/pytorch/'))} files"]
+
+    monkeypatch.setattr(te_wiring, "check", check)
+    return root, calls
+
+
+def test_checked_once_then_read_from_the_cache(te_tree):
+    root, calls = te_tree
+    first, origin = te_verdict.verdict(str(root))
+    assert origin == "checked" and first == ("problem seen in 2 files",) and len(calls) == 1
+    again, origin = te_verdict.verdict(str(root))
+    assert origin.startswith("cache ") and again == first and len(calls) == 1
+
+
+def test_another_installation_or_an_edited_file_is_checked_again(te_tree):
+    root, calls = te_tree
+    te_verdict.verdict(str(root))
+    linear = root / "transformer_engine" / "pytorch" / "module" / "linear.py"
+    linear.write_text(linear.read_text() + "# edited\n")  # a patched TE in place
+    _, origin = te_verdict.verdict(str(root))
+    assert origin == "checked" and len(calls) == 2
+    (root / "transformer_engine" / "pytorch" / "extra.py").write_text("")  # a file added
+    _, origin = te_verdict.verdict(str(root))
+    assert origin == "checked" and len(calls) == 3
+    _, origin = te_verdict.verdict(str(root))
+    assert origin.startswith("cache ") and len(calls) == 3
+
+
+def test_unwritable_cache_checks_every_time(te_tree, tmp_path, monkeypatch):
+    root, calls = te_tree
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # a file where the cache directory would go
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    for expected in (1, 2):
+        problems, origin = te_verdict.verdict(str(root))
+        assert problems and origin.startswith("checked (not cached:") and len(calls) == expected
+
+
+def test_a_cached_verdict_never_imports_the_checker(te_tree, tmp_path):
+    root, _calls = te_tree
+    env = {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]}
+    code = """
+        import sys
+        from megapatch import te_verdict
+        print(repr(te_verdict.installed_problem()), "megapatch.te_wiring" in sys.modules)
+    """
+    first = run_python(code, env=env)  # the real checker: the stand-in tree is not wired as TE is
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "not wired as megapatch relies on" in first.stdout and first.stdout.split()[-1] == "True"
+    later = run_python(code, env=env)
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert later.stdout == first.stdout.replace(" True\n", " False\n")
+    assert sys.modules.get("megapatch.te_wiring") is te_wiring  # (this process: untouched)
