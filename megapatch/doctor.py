@@ -22,7 +22,7 @@ import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
-from . import __version__, engine, options
+from . import __version__, engine, options, versions
 from .report import _table
 
 OK, CANNOT_APPLY, INVALID_ENVIRONMENT = 0, 1, 2
@@ -122,11 +122,17 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
     row = {"name": patch.name, "option": patch.option, "summary": patch.summary,
            "package": getattr(patch, "package", None), "supported": None,
            "requested": None, "opted_out": False, "upstream": "n/a", "problems": [],
-           "targets": len(patch.targets), "backend": None, "would_install": False, "why": ""}
-    supported = getattr(patch, "supported", None) or getattr(patch, "supported_versions", None)
+           "targets": len(patch.targets), "backend": None, "would_install": False, "why": "",
+           "untested": []}
+    supported = getattr(patch, "supported", None)
     if supported:
-        row["supported"] = {k: str(v) for k, v in supported.items()} if isinstance(supported, dict) \
-            else str(supported)
+        row["supported"] = ({k: str(v) for k, v in supported.items()} if hasattr(supported, "items")
+                            else str(supported))
+    outside = getattr(versions, "outside_range", None)
+    if outside is not None:
+        row["untested"], error = _guard(f"{patch.name} version range", lambda: list(outside(patch)), [])
+        if error:
+            row["problems"].append(error)
     if settings is not None:
         row["requested"], error = _guard(f"{patch.name}.applies", lambda: bool(patch.applies(settings)), False)
         if error:
@@ -178,9 +184,7 @@ def survey() -> dict:
 
 
 def _survey(result: dict) -> None:
-    from .versions import installed_versions
-
-    result["versions"], error = _guard("version lookup", installed_versions, {})
+    result["versions"], error = _guard("version lookup", versions.installed_versions, {})
     if error:
         result["problems"].append(error)
     environment, error = _guard("reading the environment", _environment)
@@ -215,7 +219,7 @@ def _survey(result: dict) -> None:
                 row = {"name": getattr(patch, "name", str(patch)), "option": None, "summary": "",
                        "package": None, "supported": None, "requested": None, "opted_out": False,
                        "upstream": "ERROR", "problems": [error], "targets": 0, "backend": None,
-                       "would_install": False, "why": error}
+                       "would_install": False, "why": error, "untested": []}
             result["patches"].append(row)
     result["upstream_warnings"] += len(caught)
     code, message = _verdict(result, strict)
@@ -296,6 +300,8 @@ def render_doctor(result: dict) -> str:
         supported = _supported_text(r)
         if supported:
             detail += f"; {supported}"
+        for line in r.get("untested", ()):
+            detail += f"; untested: {line}"
         rows.append((r["name"], requested, r["upstream"], detail))
     lines.append("")
     lines += _table(("patch", "requested", "upstream", "detail"), rows)
