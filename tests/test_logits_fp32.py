@@ -126,16 +126,66 @@ def test_gpt_fp32_logits_contract_and_accuracy(tp):
         assert r["ce_err"]["fp32"] < r["ce_err"]["native"] / 10, r
 
 
-def _unsupported_head(ctx):
-    from megatron.core.models.gpt import GPTModel
+class _MXFP8Head(torch.nn.Module):
+    """Stands in for TE's TELMHeadColumnParallelLinear (CUDA-only), which Megatron-LM builds as the
+    output layer for MXFP8: takes ColumnParallelLinear's arguments, is not one."""
+
+    def __init__(self, input_size, output_size, *, config, **_kwargs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(output_size, input_size, dtype=config.params_dtype))
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        return torch.matmul(input_, (self.weight if weight is None else weight).t()), None
+
+
+class _TensorParallelWithForeignHead:
+    """``megatron.core.tensor_parallel`` as gpt_model sees it, except that it builds the foreign head."""
+
+    def __init__(self, real):
+        self._real = real
+        self.ColumnParallelLinear = _MXFP8Head
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _construct_with_foreign_head(ctx):
+    """GPTModel whose own __init__ builds the foreign output layer: refused at construction under
+    logits_dtype='fp32' (before any training step), built normally when megapatch is off."""
+    from megatron.core.models.gpt import gpt_model
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
-    class MXFP8Head(torch.nn.Module):  # stands in for TE's TELMHeadColumnParallelLinear (CUDA-only)
-        pass
+    found = {}
+    real = gpt_model.tensor_parallel
+    gpt_model.tensor_parallel = _TensorParallelWithForeignHead(real)
+    try:
+        for mode in ("native", "fp32"):
+            megapatch.enable(logits_dtype=mode)
+            try:
+                model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=VOCAB, seq_len=SEQ)
+                found[mode] = f"built: output layer {type(model.output_layer).__name__}"
+            except UnsupportedConfigurationError as exc:
+                found[mode] = f"refused: {exc}"
+    finally:
+        gpt_model.tensor_parallel = real
+        megapatch.disable()
+    return found
+
+
+def test_an_output_layer_other_than_column_parallel_linear_is_refused_at_construction():
+    found = run_ranks(_construct_with_foreign_head, world_size=1)[0]
+    assert found["native"] == "built: output layer _MXFP8Head", found  # the stand-in itself builds
+    message = found["fp32"]
+    assert message.startswith("refused: ") and "not megatron-core's ColumnParallelLinear" in message \
+        and "TELMHeadColumnParallelLinear" in message and "_MXFP8Head" in message, message
+
+
+def _swapped_head_at_forward(ctx):
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
     megapatch.enable(logits_dtype="fp32")
     model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=VOCAB, seq_len=SEQ)
-    model.output_layer = MXFP8Head()
+    model.output_layer = _MXFP8Head(64, VOCAB, config=model.config)  # swapped in after construction
     try:
         model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], None)
     except UnsupportedConfigurationError as exc:
@@ -143,8 +193,8 @@ def _unsupported_head(ctx):
     return "no error"
 
 
-def test_an_output_layer_other_than_column_parallel_linear_is_refused():
-    message = run_ranks(_unsupported_head, world_size=1)[0]
+def test_an_output_layer_swapped_in_after_construction_is_refused_at_forward():
+    message = run_ranks(_swapped_head_at_forward, world_size=1)[0]
     assert "not megatron-core's ColumnParallelLinear" in message and "TELMHeadColumnParallelLinear" in message
 
 
@@ -201,6 +251,56 @@ def test_mamba_model_is_covered_when_its_module_is_imported():
     report = status.patch("logits.fp32_lm_head_mamba")
     assert report.state == "active", report
     assert "megatron.core.models.mamba.mamba_model.MambaModel.forward" in report.targets
+
+
+class _PassThroughStack(torch.nn.Module):
+    """Stands in for MambaStack (its mixer needs mamba_ssm and CUDA): hands the embeddings on."""
+
+    def __init__(self, config, **_kwargs):
+        super().__init__()
+        self.input_tensor = None
+
+    def set_input_tensor(self, input_tensor):
+        self.input_tensor = input_tensor
+
+    def forward(self, hidden_states, attention_mask=None, **_kwargs):
+        return hidden_states
+
+
+def _mamba_forward(ctx):
+    """A real MambaModel (embedding, output layer, forward) around a pass-through stack: its
+    logits against the oracle (the BF16 hidden states and weight its output layer received, in
+    plain FP32)."""
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megapatch.testing import make_batch, tiny_gpt_config
+
+    batch = make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB)
+    found = {}
+    for mode in ("native", "fp32"):
+        megapatch.enable(logits_dtype=mode)
+        torch.manual_seed(3)
+        model = MambaModel(config=tiny_gpt_config(tp=1), mamba_stack_spec=ModuleSpec(module=_PassThroughStack),
+                           vocab_size=VOCAB, max_sequence_length=SEQ).to(torch.bfloat16)
+        seen = {}
+        model.output_layer.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.update(hidden=args[0].detach(), weight=kwargs.get("weight")),
+            with_kwargs=True)
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+        if logits is None:
+            found[mode] = ("None", None)
+            continue
+        weight = seen["weight"] if seen["weight"] is not None else model.output_layer.weight
+        oracle = (seen["hidden"].float() @ weight.detach().float().t()).transpose(0, 1)
+        found[mode] = (str(logits.dtype), (logits.detach().float() - oracle).abs().max().item())
+    megapatch.disable()
+    return found
+
+
+def test_mamba_model_forward_returns_fp32_logits():
+    found = run_ranks(_mamba_forward, world_size=1)[0]
+    assert found["fp32"][0] == "torch.float32" and found["fp32"][1] < 1e-5, found
+    assert found["native"][0] == "torch.bfloat16" and found["native"][1] > 1e-5, found  # oracle can fail
 
 
 def _frozen_head(ctx):
