@@ -286,3 +286,52 @@ def gather_full_weights(model: torch.nn.Module, ctx=None) -> Dict[str, torch.Ten
         else:
             full[name] = param.detach().clone()
     return full
+
+
+def gather_full_grads(model: torch.nn.Module, ctx=None) -> Dict[str, torch.Tensor]:
+    """Unsharded FP32 copies of every parameter's gradient (``main_grad`` where megatron's DDP
+    keeps it), keyed by name; TP-sharded ones gathered along their ``partition_dim``."""
+    group = _tp_group(ctx)
+    full = {}
+    for name, param in model.named_parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is None:
+            continue
+        if getattr(param, "tensor_model_parallel", False):
+            grad = _all_gather_cat(grad, param.partition_dim, group)
+        full[name] = grad.detach().float().clone()
+    return full
+
+
+class _CudaTypeNames(torch.overrides.TorchFunctionMode):
+    """``Tensor.type()`` answers with the CUDA type name: megatron's mixed-precision optimizer
+    accepts parameters and clips gradients only after checking ``'torch.cuda.*Tensor'`` names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
+        return func(*args, **kwargs)
+
+
+def cuda_type_names():
+    """A context in which megatron's optimizer classes accept CPU tensors (see ``_CudaTypeNames``);
+    enter it around the optimizer's construction and ``step()``."""
+    return _CudaTypeNames()
+
+
+def build_bf16_optimizer(model: torch.nn.Module, lr: float = 1e-2, clip_grad: float = 1.0,
+                         weight_decay: float = 0.1):
+    """megatron-core's ``Float16OptimizerWithFloat16Params`` (FP32 main params and grads, the
+    non-distributed optimizer Megatron-LM uses for BF16) over ``torch.optim.AdamW``, with gradient
+    clipping at ``clip_grad``. Call its ``step()`` inside :func:`cuda_type_names`."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=True,
+                             params_dtype=torch.bfloat16, clip_grad=clip_grad)
+    inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    with cuda_type_names():
+        return Float16OptimizerWithFloat16Params(inner, config, None, lambda optimizer: None)

@@ -1,0 +1,250 @@
+"""Bitwise TP invariance (``tp_invariant=True``) on real megatron-core over gloo.
+
+One 8-rank job runs two differently shaped GPTs at TP 1, 2, 4 and 8 (world size 8: data-parallel
+replicas at TP < 8): logits, loss, every parameter gradient (gathered to full shape), and the
+parameters after 5 steps of megatron-core's BF16 optimizer (AdamW, gradient clipping active) must
+be bit-identical (``torch.equal``) to TP=1. As a precondition the same job shows that native and
+``fp32`` reductions are *not* bit-identical on these models, and the invariant logits are checked
+against native TP=1 logits (same model, ordinary rounding differences only).
+"""
+
+import pytest
+import torch
+
+from megapatch.testing import run_ranks
+
+TPS = (1, 2, 4, 8)
+STEPS = 5
+CLIP = 0.05  # below every step's grad norm here: clipping scales every step
+MODELS = {
+    "tiny": dict(config=dict(num_attention_heads=8), vocab=128, seq=16),
+    # hidden 96 (head dim 12), FFN 160, vocab 200: 25 vocab entries per rank at TP 8
+    "odd": dict(config=dict(hidden_size=96, num_attention_heads=8, ffn_hidden_size=160), vocab=200,
+                seq=12),
+}
+
+
+def _model(ctx, shape, **overrides):
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+
+    config = tiny_gpt_config(tp=ctx.tp_size, **shape["config"], **overrides)
+    return build_tiny_gpt(config, vocab_size=shape["vocab"], seq_len=shape["seq"], seed=1234)
+
+
+def _batch(shape, step):
+    from megapatch.testing import make_batch
+
+    return make_batch(seed=5 + step, batch=2, seq_len=shape["seq"], vocab=shape["vocab"])
+
+
+def _forward_backward(ctx, model, shape):
+    from megapatch.testing import gather_tp_logits
+    from megapatch.testing.tiny_gpt import gather_full_grads
+
+    batch = _batch(shape, 0)
+    with torch.no_grad():
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+    loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    loss.float().mean().backward()
+    return {"logits": gather_tp_logits(logits, ctx).float(), "loss": loss.detach().float(),
+            "grads": gather_full_grads(model, ctx)}
+
+
+def _train(ctx, shape):
+    """Forward/backward results of step 0, then 5 clipped AdamW steps."""
+    from megapatch.testing import gather_full_weights
+    from megapatch.testing.tiny_gpt import build_bf16_optimizer, cuda_type_names
+
+    model = _model(ctx, shape)
+    optimizer = build_bf16_optimizer(model, clip_grad=CLIP)
+    result = _forward_backward(ctx, model, shape)
+    norms = []
+    for step in range(STEPS):
+        if step:
+            optimizer.zero_grad()
+            batch = _batch(shape, step)
+            model(batch.tokens, batch.position_ids, batch.attention_mask,
+                  labels=batch.labels).float().mean().backward()
+        with cuda_type_names():
+            ok, norm, _ = optimizer.step()
+        assert ok
+        norms.append(norm)
+    result["norms"] = norms
+    result["params"] = {n: p.float() for n, p in gather_full_weights(model, ctx).items()}
+    return result
+
+
+def _refusal(ctx, shape, **overrides):
+    from megapatch.errors import UnsupportedConfigurationError
+
+    model = _model(ctx, shape, **overrides)
+    batch = _batch(shape, 0)
+    try:
+        model(batch.tokens, batch.position_ids, batch.attention_mask)
+    except UnsupportedConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+def _job(ctx):
+    import megapatch
+    from megapatch.testing import reinit_model_parallel
+
+    out = {}
+    for tp in TPS:
+        ctx = reinit_model_parallel(ctx, tp=tp)
+        megapatch.enable(tp_invariant=True)
+        for name, shape in MODELS.items():
+            out[("invariant", name, tp)] = _train(ctx, shape)
+        if tp == 2:
+            out["sequence_parallel"] = _refusal(ctx, MODELS["tiny"], sequence_parallel=True)
+        megapatch.disable()
+        if tp in (1, 8):
+            for mode in ("native", "fp32"):
+                megapatch.enable(tp_reduce_dtype=mode)
+                for name, shape in MODELS.items():
+                    out[(mode, name, tp)] = _forward_backward(ctx, _model(ctx, shape), shape)
+                megapatch.disable()
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_job, world_size=8, tp=1, timeout=900)[0]
+
+
+def _differing(a, b):
+    return sorted(name for name in a if not torch.equal(a[name], b[name]))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("tp", TPS[1:])
+def test_logits_loss_and_gradients_are_bit_identical_to_tp1(runs, model, tp):
+    base, here = runs[("invariant", model, 1)], runs[("invariant", model, tp)]
+    assert torch.equal(here["logits"], base["logits"])
+    assert torch.equal(here["loss"], base["loss"])
+    assert here["grads"].keys() == base["grads"].keys() and len(base["grads"]) >= 20
+    assert _differing(base["grads"], here["grads"]) == []
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("tp", TPS[1:])
+def test_parameters_after_clipped_adamw_steps_are_bit_identical_to_tp1(runs, model, tp):
+    base, here = runs[("invariant", model, 1)], runs[("invariant", model, tp)]
+    assert all(norm > CLIP for norm in base["norms"]), base["norms"]  # clipping was active
+    assert here["norms"] == base["norms"]
+    assert _differing(base["params"], here["params"]) == []
+    # the steps moved the parameters (a frozen model would be trivially identical)
+    moved = _differing(base["params"], {n: torch.zeros_like(p) for n, p in base["params"].items()})
+    assert len(moved) == len(base["params"])
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_invariant_logits_match_the_native_model(runs, model):
+    """Independent oracle for the invariant arithmetic: native TP=1 (one BF16 GEMM per layer)
+    computes the same model; only rounding differs."""
+    invariant, native = runs[("invariant", model, 1)], runs[("native", model, 1)]
+    assert invariant["logits"].abs().max() > 0.05
+    assert (invariant["logits"] - native["logits"]).abs().max() < 0.05
+    assert abs(invariant["loss"].mean() - native["loss"].mean()) < 1e-2
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["native", "fp32"])
+def test_precondition_without_the_mode_tp_changes_the_bits(runs, model, mode):
+    """Without tp_invariant these models are not bit-identical across TP, so the tests above can
+    fail."""
+    base, here = runs[(mode, model, 1)], runs[(mode, model, 8)]
+    assert not torch.equal(here["logits"], base["logits"])
+    assert _differing(base["grads"], here["grads"])
+
+
+def test_sequence_parallelism_is_refused_with_the_reason(runs):
+    message = runs["sequence_parallel"]
+    assert message and "sequence_parallel" in message and "MEGAPATCH_TP_INVARIANT" in message
+
+
+# -- in-process checks (no ranks) ------------------------------------------------------------------
+
+def test_tree_sum_adds_adjacent_pairs_level_by_level():
+    from megapatch.tp_invariant import invariant_sum, tree_sum
+
+    big = torch.tensor([2.0 ** 24])
+    one = torch.tensor([1.0])
+    parts = [big, one, one, -big]  # (2^24 + 1) + (1 - 2^24) = 2^24 + (1 - 2^24) = 0 + 1 ... in FP32
+    expected = (parts[0] + parts[1]) + (parts[2] + parts[3])
+    assert torch.equal(tree_sum(parts), expected)
+    assert not torch.equal(tree_sum(parts), ((parts[0] + parts[1]) + parts[2]) + parts[3])
+    assert torch.equal(invariant_sum(parts, None), expected)
+    with pytest.raises(ValueError, match="power-of-two"):
+        tree_sum(parts[:3])
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+@pytest.fixture
+def invariant_settings(monkeypatch):
+    from megapatch import options, state
+
+    def use(width):
+        monkeypatch.setattr(state, "_current", options.Settings(tp_invariant=True, tp_invariant_width=width))
+    return use
+
+
+def test_a_tp_size_that_does_not_divide_the_width_is_refused(invariant_settings):
+    from megapatch.errors import OptionError
+    from megapatch.tp_invariant import blocks_per_rank, check_divisible
+
+    invariant_settings(4)
+    assert blocks_per_rank(_Group(2)) == 2 and blocks_per_rank(_Group(4)) == 1
+    with pytest.raises(OptionError, match=r"tp_invariant_width=4 \(env MEGAPATCH_TP_INVARIANT_WIDTH\).*"
+                                          r"tensor-parallel size 8.*Valid widths for TP=8: 8, 16"):
+        blocks_per_rank(_Group(8))
+    with pytest.raises(OptionError, match="has size 6, not divisible by tp_invariant_width=4"):
+        check_divisible("the vocabulary", 6, 3, _Group(2))
+
+
+@pytest.mark.parametrize("value", ["3", "0", "-8", "eight", "1.5"])
+def test_invalid_widths_are_refused_naming_the_variable_and_choices(value):
+    from megapatch import options
+    from megapatch.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"MEGAPATCH_TP_INVARIANT_WIDTH=.*valid choices: 1, 2, 4, 8, 16"):
+        options.resolve({}, {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_TP_INVARIANT_WIDTH": value})
+    settings, _ = options.resolve({}, {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_TP_INVARIANT_WIDTH": "16"})
+    assert settings.tp_invariant is True and settings.tp_invariant_width == 16
+
+
+def test_combining_with_fp32_reductions_is_refused():
+    import megapatch
+    from megapatch.errors import OptionError
+
+    try:
+        with pytest.raises(OptionError, match="tp_invariant=True cannot be combined with tp_reduce_dtype="):
+            megapatch.enable(tp_invariant=True, tp_reduce_dtype="fp32")
+        assert not megapatch.is_enabled()  # nothing changed
+    finally:
+        megapatch.disable()
+
+
+def test_blocked_activation_gives_each_block_the_same_bits_whatever_the_shard():
+    """GELU's vector body and scalar tail round differently: applied to the whole shard, the same
+    value can round differently at another TP size; on equal blocks it cannot."""
+    from megapatch.tp_invariant import blocked_elementwise
+
+    gelu = torch.nn.functional.gelu
+    x = (torch.randn(5, 8 * 7, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    whole = x.clone().requires_grad_()
+    half = x[:, : 4 * 7].clone().requires_grad_()  # TP=2's shard: 4 of the 8 blocks
+    out_whole, out_half = blocked_elementwise(gelu, whole, 8), blocked_elementwise(gelu, half, 4)
+    assert torch.equal(out_whole[:, : 4 * 7], out_half)
+    grad = torch.randn(out_whole.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out_whole.backward(grad)
+    out_half.backward(grad[:, : 4 * 7])
+    assert torch.equal(whole.grad[:, : 4 * 7], half.grad)
