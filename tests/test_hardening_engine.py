@@ -1,0 +1,402 @@
+"""Engine defects found by the outside audit (issue 11) and the engine side of issue 10: each test
+failed on the code before its fix."""
+
+import copy
+import json
+import logging
+import pickle
+import sys
+import types
+
+import pytest
+import torch
+import wrapt
+
+import megapatch
+from megapatch import engine, options, patching
+from megapatch.errors import OptionError, UpstreamSurfaceError
+
+from conftest import run_python
+
+from megatron.core.tensor_parallel import layers, mappings  # noqa: E402
+
+ORIGINAL_REDUCE = mappings._reduce
+ORIGINAL_ALL_REDUCE = torch.distributed.all_reduce
+
+
+def _megapatch_lines(caplog, level=logging.INFO):
+    return [r.getMessage() for r in caplog.records if r.name == "megapatch" and r.levelno >= level]
+
+
+# -- 1. MEGAPATCH_CHECK_TIMEOUT is validated like every other variable ------------------------
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "abc", "", "-inf", "1e400"])
+def test_bad_check_timeout_is_refused_naming_variable_value_and_range(value):
+    with pytest.raises(OptionError) as err:
+        options.resolve({}, environ={"MEGAPATCH_CHECK_TIMEOUT": value})
+    message = str(err.value)
+    assert f"MEGAPATCH_CHECK_TIMEOUT={value!r}" in message
+    assert "a finite number of seconds > 0" in message
+
+
+def test_check_timeout_is_resolved_and_reaches_the_settings():
+    settings, sources = options.resolve({}, environ={"MEGAPATCH_CHECK_TIMEOUT": " 2.5 "})
+    assert settings.check_timeout == 2.5 and sources["check_timeout"] == "env MEGAPATCH_CHECK_TIMEOUT"
+    assert "check_timeout" not in settings.fingerprint()  # a local wait: peers need not agree
+    with pytest.raises(OptionError, match="check_timeout=0"):
+        megapatch.enable(tp_reduce_dtype="fp32", check_timeout=0)
+    assert not megapatch.is_enabled()
+
+
+def test_activation_refuses_a_bad_check_timeout(monkeypatch):
+    monkeypatch.setenv("MEGAPATCH_CHECK_TIMEOUT", "inf")
+    with pytest.raises(OptionError, match="MEGAPATCH_CHECK_TIMEOUT='inf'"):
+        megapatch.enable(tp_reduce_dtype="fp32")
+    assert not megapatch.is_enabled() and megapatch.status().active == []
+
+
+def test_doctor_reports_a_bad_check_timeout():
+    result = run_python("import sys; from megapatch.cli import main; sys.exit(main(['doctor']))",
+                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "nan"})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "MEGAPATCH_CHECK_TIMEOUT='nan'" in result.stdout + result.stderr
+
+
+# -- 4. the kill switch never fails open -----------------------------------------------------
+
+@pytest.mark.parametrize("value", ["y", "2", "", "disable"])
+def test_unknown_kill_switch_spelling_is_an_error(monkeypatch, value):
+    monkeypatch.setenv("MEGAPATCH_DISABLE", value)
+    with pytest.raises(OptionError) as err:
+        megapatch.enable(tp_reduce_dtype="fp32")
+    message = str(err.value)
+    assert f"MEGAPATCH_DISABLE={value!r}" in message and "valid choices: 1, true, on, yes, 0, false" in message
+    assert not megapatch.is_enabled() and megapatch.status().active == []
+    assert mappings._reduce is ORIGINAL_REDUCE
+
+
+@pytest.mark.parametrize("value", ["YES", " on ", "1"])
+def test_true_kill_switch_spellings_disable(monkeypatch, value):
+    monkeypatch.setenv("MEGAPATCH_DISABLE", value)
+    with pytest.warns(UserWarning, match="MEGAPATCH_DISABLE"):
+        status = megapatch.enable(tp_reduce_dtype="fp32")
+    assert not status.enabled and status.active == []
+
+
+def test_environment_activation_with_a_bad_kill_switch_stops_the_megatron_process():
+    result = run_python("import megatron.core, megapatch; print(megapatch.status().active)",
+                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_DISABLE": "y"})
+    assert result.returncode != 0, result.stdout
+    assert "MEGAPATCH_DISABLE='y'" in result.stderr
+
+
+# -- 5. strict=False never raises; enable() is all or nothing --------------------------------
+
+class _NotAFunction:
+    """An upstream ``__init__`` that is a callable object, not a plain function."""
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+def _break_fp8_probe(monkeypatch):
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401 -- the patch's hook module
+
+    monkeypatch.setattr(pgb._ParamAndGradBucketGroup, "__init__", _NotAFunction())
+
+
+def test_a_probe_that_raises_is_a_skip_when_not_strict(monkeypatch, caplog):
+    _break_fp8_probe(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="megapatch"):
+        status = megapatch.enable(align_fp8_transposes=True, strict=False)
+    report = status.patch("fp8.align_transposes")
+    assert report.state == "skipped" and "raised AttributeError" in report.reason
+
+
+def test_a_probe_that_raises_is_a_surface_error_when_strict(monkeypatch):
+    _break_fp8_probe(monkeypatch)
+    with pytest.raises(UpstreamSurfaceError, match="fp8.align_transposes.*raised AttributeError"):
+        megapatch.enable(align_fp8_transposes=True)
+    assert not megapatch.is_enabled()
+
+
+def test_non_strict_import_never_raises_when_a_probe_raises():
+    result = run_python("""
+        import dataclasses, megapatch
+        from megapatch import engine
+
+        def probe():  # as the FP8 probe does on an upstream whose __init__ is not a function
+            return object().__init__.__code__
+
+        engine._patches = tuple(dataclasses.replace(p, probe=probe) if p.name == "tp_reduce.megatron_core"
+                                else p for p in engine.patches())
+        megapatch.enable(tp_reduce_dtype='fp32', strict=False)
+        import megatron.core.tensor_parallel   # the hook fires here: must not raise
+        report = megapatch.status().patch("tp_reduce.megatron_core")
+        print(report.state, "|", report.reason)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state, reason = result.stdout.strip().splitlines()[-1].split(" | ", 1)
+    assert state == "skipped" and "raised AttributeError" in reason
+
+
+def _passthrough(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable(monkeypatch, strict):
+    megapatch.enable(tp_reduce_dtype="fp32", strict=strict)
+    ours = mappings._reduce
+    theirs = wrapt.FunctionWrapper(ours, _passthrough)  # e.g. a profiler wrapping after us
+    monkeypatch.setattr(mappings, "_reduce", theirs)
+    assert patching.find_megapatch_wrapper(theirs) is ours
+    megapatch.disable()
+    assert mappings._reduce is theirs and ours._self_switch.on is False  # ours passes through now
+    status = megapatch.enable(tp_reduce_dtype="fp32", strict=strict)
+    assert status.patch("tp_reduce.megatron_core").state == "active"
+    assert mappings._reduce is theirs and ours._self_switch.on is True
+    assert not patching.is_megapatch_wrapper(ours.__wrapped__)  # never wrapped twice
+    megapatch.disable()
+    assert ours._self_switch.on is False
+
+
+def test_failed_enable_changes_nothing(monkeypatch):
+    before = megapatch.enable(logits_dtype="fp32", check_timeout=7)
+    column_forward = layers.ColumnParallelLinear.__dict__["forward"]
+    real_install = patching.install
+
+    def failing_install(target, patch_name):
+        if target.attr == "dist_reduce_scatter_func":
+            raise RuntimeError("simulated failure half-way through a patch")
+        return real_install(target, patch_name)
+
+    monkeypatch.setattr(patching, "install", failing_install)
+    with pytest.raises(UpstreamSurfaceError, match="simulated failure"):
+        megapatch.enable(tp_reduce_dtype="fp32")
+    after = megapatch.status()
+    assert after.settings == before.settings and after.sources == before.sources
+    assert after.active == before.active and after.enabled
+    assert [(p.name, p.state) for p in after.patches] == [(p.name, p.state) for p in before.patches]
+    assert mappings._reduce is ORIGINAL_REDUCE  # the half-installed patch was taken out again
+    assert layers.ColumnParallelLinear.__dict__["forward"] is column_forward
+
+
+def test_failed_enable_from_disabled_stays_disabled(monkeypatch):
+    monkeypatch.setattr(patching, "install", lambda target, name: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(UpstreamSurfaceError):
+        megapatch.enable(tp_reduce_dtype="fp32")
+    status = megapatch.status()
+    assert not status.enabled and status.settings["tp_reduce_dtype"] == "native" and status.active == []
+
+
+# -- 10. reconfiguring changes only what is passed; status after a failed import -------------
+
+def test_reconfigure_keeps_earlier_explicit_values():
+    megapatch.enable(tp_reduce_dtype="fp32", check_timeout=9)
+    status = megapatch.enable(logits_dtype="fp32")
+    assert status.settings["tp_reduce_dtype"] == "fp32" and status.sources["tp_reduce_dtype"] == "enable()"
+    assert status.settings["logits_dtype"] == "fp32" and status.settings["check_timeout"] == 9
+    status = megapatch.enable(tp_reduce_dtype="native")  # changing it means passing it
+    assert status.settings["tp_reduce_dtype"] == "native" and status.settings["logits_dtype"] == "fp32"
+    megapatch.disable()  # forgets earlier arguments
+    assert megapatch.enable(logits_dtype="fp32").settings["check_timeout"] == 300
+
+
+def test_status_after_a_strict_import_failure_says_incompatible():
+    result = run_python("""
+        import megapatch, dataclasses
+        from megapatch import engine, registry
+        broken = registry.Target("megatron.core.tensor_parallel.mappings", "no_such_symbol", lambda *a: None)
+        engine._patches = tuple(dataclasses.replace(p, targets=p.targets + (broken,))
+                                if p.name == "tp_reduce.megatron_core" else p for p in engine.patches())
+        megapatch.enable(tp_reduce_dtype='fp32')
+        try:
+            import megatron.core.tensor_parallel
+        except Exception as exc:
+            print("import failed:", type(exc).__name__)
+        report = megapatch.status().patch("tp_reduce.megatron_core")
+        print(report.state, "|", report.reason)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state, reason = result.stdout.strip().splitlines()[-1].split(" | ", 1)
+    assert state == "incompatible" and "no_such_symbol does not exist" in reason
+
+
+# -- 10. spellings, long values, misspelled variable names -----------------------------------
+
+@pytest.mark.parametrize("variable", ["MEGAPATCH_ALIGN_FP8_TRANSPOSES", "MEGAPATCH_STRICT",
+                                      "MEGAPATCH_TP_REDUCE_DTYPE", "MEGAPATCH_LOGITS_DTYPE",
+                                      "MEGAPATCH_SKIP_PATCHES", "MEGAPATCH_CHECK_TIMEOUT"])
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_value_is_an_error_for_every_variable(variable, value):
+    with pytest.raises(OptionError) as err:
+        options.resolve({}, environ={variable: value})
+    assert f"{variable}={value!r} is empty" in str(err.value) and "unset the variable" in str(err.value)
+
+
+def test_a_huge_invalid_value_is_not_echoed_whole():
+    value = "x" * 100_000
+    for variable in ("MEGAPATCH_TP_REDUCE_DTYPE", "MEGAPATCH_STRICT", "MEGAPATCH_CHECK_TIMEOUT"):
+        with pytest.raises(OptionError) as err:
+            options.resolve({}, environ={variable: value})
+        message = str(err.value)
+        assert len(message) < 600 and variable in message and "(100000 characters)" in message
+
+
+def test_misspelled_variables_are_reported_with_the_closest_name(monkeypatch, caplog):
+    env = {"MEGAPATCH_TP_REDUCE_DTPYE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32", "MEGAPATCH_ZZZ": "1"}
+    found = dict(options.unknown_env_variables(env))
+    assert found == {"MEGAPATCH_TP_REDUCE_DTPYE": "MEGAPATCH_TP_REDUCE_DTYPE", "MEGAPATCH_ZZZ": None}
+    monkeypatch.setenv("MEGAPATCH_TP_REDUCE_DTPYE", "fp32")
+    with caplog.at_level(logging.WARNING, logger="megapatch"):
+        megapatch.enable(logits_dtype="fp32")
+    warned = [m for m in _megapatch_lines(caplog, logging.WARNING) if "MEGAPATCH_TP_REDUCE_DTPYE" in m]
+    assert len(warned) == 1 and "did you mean MEGAPATCH_TP_REDUCE_DTYPE?" in warned[0]
+
+
+# -- 8. from-import aliases and pickling -----------------------------------------------------
+
+def test_alias_held_in_main_is_rebound_and_restored():
+    result = run_python("""
+        from megatron.core.tensor_parallel.mappings import _reduce
+        import megapatch
+        from megapatch import patching
+        original = _reduce
+        megapatch.enable(tp_reduce_dtype='fp32')
+        wrapped = patching.is_megapatch_wrapper(_reduce)
+        megapatch.disable()
+        print(wrapped, _reduce is original)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "True True"
+
+
+def test_torch_collective_alias_taken_while_enabled_is_restored_by_disable():
+    megapatch.enable(tp_reduce_dtype="fp32")
+    holder = types.ModuleType("user_code_from_torch_distributed")
+    holder.all_reduce = torch.distributed.all_reduce  # `from torch.distributed import all_reduce`
+    sys.modules[holder.__name__] = holder
+    try:
+        assert patching.is_megapatch_wrapper(holder.all_reduce)
+        megapatch.disable()
+        assert holder.all_reduce is ORIGINAL_ALL_REDUCE
+        assert torch.distributed.all_reduce is ORIGINAL_ALL_REDUCE
+    finally:
+        sys.modules.pop(holder.__name__, None)
+
+
+def test_wrapped_functions_pickle_and_copy_like_stock():
+    megapatch.enable(tp_reduce_dtype="fp32")
+    wrapper = mappings._reduce
+    assert pickle.loads(pickle.dumps(wrapper)) is mappings._reduce
+    assert copy.copy(wrapper) is wrapper and copy.deepcopy(wrapper) is wrapper
+    assert copy.deepcopy({"fn": wrapper})["fn"] is wrapper
+    loaded = pickle.loads(pickle.dumps(layers.RowParallelLinear.forward))  # a method, via the class
+    assert patching.is_megapatch_wrapper(loaded)
+    assert loaded.__wrapped__ is layers.RowParallelLinear.__dict__["forward"].__wrapped__
+    stale = pickle.dumps(wrapper)
+    megapatch.disable()
+    assert pickle.loads(stale) is ORIGINAL_REDUCE  # by reference: whatever the name holds now
+    assert pickle.loads(pickle.dumps(wrapper)) is ORIGINAL_REDUCE
+
+
+# -- issue 10 item 4: per-patch opt-out ------------------------------------------------------
+
+def test_skip_patches_opts_one_patch_out_and_says_so(monkeypatch):
+    monkeypatch.setenv("MEGAPATCH_SKIP_PATCHES", "tp_reduce.transformer_engine")
+    status = megapatch.enable(tp_reduce_dtype="fp32")
+    te = status.patch("tp_reduce.transformer_engine")
+    assert te.state == "opted-out" and "MEGAPATCH_SKIP_PATCHES" in te.reason
+    assert status.patch("tp_reduce.megatron_core").state == "active"
+    assert status.settings["skip_patches"] == ("tp_reduce.transformer_engine",)
+    assert "opted-out" in str(status)
+
+
+def test_skip_patches_argument_removes_an_installed_patch():
+    megapatch.enable(tp_reduce_dtype="fp32")
+    status = megapatch.enable(skip_patches=["tp_reduce.megatron_core"])
+    assert status.patch("tp_reduce.megatron_core").state == "opted-out"
+    assert mappings._reduce is ORIGINAL_REDUCE
+    assert status.sources["skip_patches"] == "enable()"
+
+
+def test_unknown_patch_name_is_refused_with_the_valid_names(monkeypatch):
+    monkeypatch.setenv("MEGAPATCH_SKIP_PATCHES", "tp_reduce.transformer_engin")
+    with pytest.raises(OptionError) as err:
+        megapatch.enable(tp_reduce_dtype="fp32")
+    message = str(err.value)
+    assert "MEGAPATCH_SKIP_PATCHES='tp_reduce.transformer_engin'" in message
+    assert "did you mean tp_reduce.transformer_engine?" in message
+    assert "valid patch names:" in message and "tp_reduce.megatron_core" in message
+    assert not megapatch.is_enabled()
+
+
+def test_opting_out_every_patch_of_a_requested_option_is_refused():
+    with pytest.raises(OptionError, match="every patch serving it is opted out"):
+        megapatch.enable(tp_reduce_dtype="fp32",
+                         skip_patches="tp_reduce.megatron_core,tp_reduce.transformer_engine")
+    assert not megapatch.is_enabled()
+
+
+# -- issue 10 item 3: one activation line, once-per-job lines --------------------------------
+
+def test_one_activation_line_with_settings_sources_and_patches(monkeypatch, caplog):
+    monkeypatch.setenv("MEGAPATCH_LOGITS_DTYPE", "fp32")
+    with caplog.at_level(logging.INFO, logger="megapatch"):
+        megapatch.enable(tp_reduce_dtype="fp32", skip_patches="tp_reduce.transformer_engine")
+        megapatch.enable(tp_reduce_dtype="fp32")  # nothing changed: no second line
+    lines = [m for m in _megapatch_lines(caplog) if m.startswith("megapatch enabled:")]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "tp_reduce_dtype=fp32 (enable())" in line
+    assert "logits_dtype=fp32 (env MEGAPATCH_LOGITS_DTYPE)" in line and "strict=True (default)" in line
+    assert "active: " in line and "tp_reduce.megatron_core [" in line  # with its backend
+    assert "opted-out: tp_reduce.transformer_engine" in line
+    assert "megatron-core 0." in line
+
+
+def test_activation_line_only_on_rank_zero(monkeypatch, caplog):
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.INFO, logger="megapatch"):
+        megapatch.enable(tp_reduce_dtype="fp32")
+    assert not [m for m in _megapatch_lines(caplog) if m.startswith("megapatch enabled:")]
+
+
+def test_activation_line_reaches_stderr_without_any_logging_configuration():
+    result = run_python("""
+        import logging, megapatch
+        megapatch.enable(tp_reduce_dtype='fp32')
+        assert not logging.getLogger().handlers  # the root logger was left alone
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("megapatch enabled: tp_reduce_dtype=fp32 (enable())") == 1
+
+
+def test_activation_line_goes_to_the_applications_handlers_once_it_has_some():
+    result = run_python("""
+        import logging, sys, megapatch
+        logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="APP %(name)s %(message)s")
+        megapatch.enable(tp_reduce_dtype='fp32')
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("APP megapatch megapatch enabled:") == 1
+    assert "megapatch enabled:" not in result.stderr  # no duplicate through a handler of ours
+
+
+def test_fp8_pass_through_is_logged_once(caplog):
+    from megapatch.patches import align_fp8_transposes as fp8
+
+    with caplog.at_level(logging.INFO, logger="megapatch"):
+        for _ in range(3):
+            fp8._decide(False, "test reason: no FP8 parameters")
+        fp8._decide(True, "aligned", 2)
+    lines = [m for m in _megapatch_lines(caplog) if "passes through" in m]
+    assert lines == ["megapatch: fp8.align_transposes was requested but passes through: "
+                     "test reason: no FP8 parameters"]
+
+
+def test_status_serialises_with_the_new_options():
+    status = megapatch.enable(tp_reduce_dtype="fp32", skip_patches="tp_reduce.transformer_engine")
+    json.dumps(status.as_dict())
