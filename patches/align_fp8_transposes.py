@@ -36,7 +36,7 @@ import warnings
 import weakref
 from typing import List, Optional
 
-from megapatch import state
+from megapatch import report, state
 from megapatch.registry import Patch, Target
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
@@ -52,6 +52,9 @@ _quant_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _decide(aligned: bool, reason: str, chunks: int = 0) -> None:
     with _lock:
         last_decision.update(aligned=aligned, reason=reason, chunks=chunks)
+    if not aligned:  # requested but not happening: say so once per job (rank 0) for each reason
+        report.once(f"fp8.align_transposes:{reason}", "warning",
+                    f"megapatch: fp8.align_transposes was requested but passes through: {reason}")
 
 
 # -- helpers -------------------------------------------------------------------------------------
