@@ -1,4 +1,9 @@
-"""FP32 logits through megatron-core's static-batching inference wrapper and controller."""
+"""FP32 logits through megatron-core's static-batching inference wrapper and controller.
+
+Every logits tensor is compared with an independent oracle: the BF16 hidden states and weight the
+output layer received, multiplied in plain FP32. At PP=2 (world 2) activations really travel
+between the stages and the controller's broadcast runs on its receiving side (the first stage).
+"""
 
 import inspect
 
@@ -7,19 +12,16 @@ import torch
 from megapatch.testing import run_ranks
 
 V, S, B = 128, 8, 4
+PP_METHODS = ("forward_pass_with_pipeline_parallel_small_input_batch",  # <= 0.16
+              "forward_pass_with_pipeline_parallel_large_input_batch",  # <= 0.16
+              "forward_pass_with_pipeline_parallel")                    # >= 0.17
 
 
 def _inference(ctx):
+    """World 1: the no-PP path and the PP methods (one stage), each with its oracle; the
+    controller broadcast (sender side only at world 1)."""
     import megapatch
-    from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    try:  # <= 0.16
-        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-            InferenceWrapperConfig)
-    except ImportError:  # >= 0.17: the wrapper reads the model's config
-        InferenceWrapperConfig = None
-    from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
-    from megatron.core.inference import communication_utils
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
     tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
@@ -27,45 +29,18 @@ def _inference(ctx):
     for mode in ("native", "fp32"):
         megapatch.enable(logits_dtype=mode)
         model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=V, seq_len=S, seed=5).eval()
-        config = InferenceWrapperConfig and InferenceWrapperConfig(
-            hidden_size=64, params_dtype=torch.bfloat16,
-            inference_batch_times_seqlen_threshold=S,  # 1 request per micro-batch
-            padded_vocab_size=V)
-
-        def run(method):
-            context = StaticInferenceContext(B, S)
-            wrapper = (GPTInferenceWrapper(model, config, context) if config is not None
-                       else GPTInferenceWrapper(model, context))
-            prep = wrapper.prep_model_for_inference
-            prep(tokens) if len(inspect.signature(prep).parameters) >= 1 else prep()
-            with torch.inference_mode():
-                return getattr(wrapper, method)(wrapper.prep_inference_input(tokens))
-
+        calls, oracle = _head_oracle(model)
         row = found[mode] = {}
-        methods = [m for m in ("forward_pass_without_pipeline_parallel",
-                               "forward_pass_with_pipeline_parallel_small_input_batch",
-                               "forward_pass_with_pipeline_parallel_large_input_batch",
-                               "forward_pass_with_pipeline_parallel")
+        methods = [m for m in ("forward_pass_without_pipeline_parallel",) + PP_METHODS
                    if hasattr(GPTInferenceWrapper, m)]
         for method in methods:
-            logits = run(method)
-            row[method] = (str(logits.dtype), logits.float())
-        # the controller broadcasts logits from the last stage with dtype=params_dtype
-        last = row["forward_pass_without_pipeline_parallel"][1]
-        pp_kwargs = ({"pp_group": ctx.pp_group}
-                     if "pp_group" in inspect.signature(tgc.broadcast_from_last_pipeline_stage).parameters else {})
-        original = getattr(communication_utils, "_is_cuda", None)
-        communication_utils._is_cuda = lambda t: None  # CPU tensors: upstream asserts .is_cuda
-        try:
-            out = tgc.broadcast_from_last_pipeline_stage(list(last.shape), torch.bfloat16,
-                                                         last.to(torch.float32 if mode == "fp32" else torch.bfloat16).contiguous(),
-                                                         **pp_kwargs)
-        finally:
-            if original is None:
-                del communication_utils._is_cuda
-            else:
-                communication_utils._is_cuda = original
-        row["broadcast"] = (str(out.dtype), out.float())
+            calls.clear()
+            logits = _wrapper_run(model, tokens, method, ctx)
+            row[method] = (str(logits.dtype), logits.float(), oracle().float())
+        last, reference = row["forward_pass_without_pipeline_parallel"][1:]
+        out = _broadcast_logits(last.to(torch.float32 if mode == "fp32" else torch.bfloat16).contiguous(),
+                                last.shape, ctx)
+        row["broadcast"] = (str(out.dtype), out.float(), reference)
     megapatch.disable()
     return found
 
@@ -73,14 +48,129 @@ def _inference(ctx):
 def test_fp32_logits_survive_every_inference_path():
     found = run_ranks(_inference, world_size=1, timeout=300)[0]
     fp32, native = found["fp32"], found["native"]
-    reference = fp32["forward_pass_without_pipeline_parallel"][1]
-    for path, (dtype, logits) in fp32.items():
+    for path, (dtype, logits, oracle) in fp32.items():
         assert dtype == "torch.float32", (path, dtype)
-        assert torch.equal(logits, reference) or path.endswith("large_input_batch"), path
-    # the large-batch path (<= 0.16) runs one request per micro-batch: same values up to batch-size effects
-    large = fp32.get("forward_pass_with_pipeline_parallel_large_input_batch")
-    assert large is None or torch.allclose(large[1], reference, atol=1e-5)
+        assert logits.shape == oracle.shape and (logits - oracle).abs().max() < 1e-5, (path, logits.shape, oracle.shape)
     assert len(fp32) >= 3  # no-PP path, at least one PP path, the broadcast
-    for path, (dtype, _logits) in native.items():
+    for path, (dtype, logits, oracle) in native.items():
         if path != "forward_pass_without_pipeline_parallel":
             assert dtype == "torch.bfloat16", (path, dtype)  # upstream downcasts: the patch is needed
+        assert (logits - oracle).abs().max() > 1e-5, path  # the oracle can fail
+
+
+def _head_oracle(model):
+    """Records the BF16 hidden states and weight each call of the model's output layer receives;
+    ``oracle()`` is their plain FP32 product, [batch, seq, vocab], micro-batches in call order."""
+    calls = []
+    if getattr(model, "output_layer", None) is not None:
+        model.output_layer.register_forward_pre_hook(
+            lambda module, args, kwargs: calls.append(
+                (args[0].detach(), (kwargs.get("weight") if kwargs.get("weight") is not None
+                                    else module.weight).detach())),
+            with_kwargs=True)
+
+    def oracle():
+        return torch.cat([(h.float() @ w.float().t()).transpose(0, 1) for h, w in calls], dim=0)
+
+    calls.clear()
+    return calls, oracle
+
+
+def _wrapper_run(model, tokens, method, ctx):
+    """One static-batching wrapper pass of ``method`` over ``tokens`` (every version's signature)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    try:  # <= 0.16
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig)
+    except ImportError:  # >= 0.17: the wrapper reads the model's config
+        InferenceWrapperConfig = None
+
+    config = InferenceWrapperConfig and InferenceWrapperConfig(
+        hidden_size=64, params_dtype=torch.bfloat16,
+        inference_batch_times_seqlen_threshold=S,  # 1 request per micro-batch
+        padded_vocab_size=V)
+    context = StaticInferenceContext(B, S)
+    wrapper = (GPTInferenceWrapper(model, config, context) if config is not None
+               else GPTInferenceWrapper(model, context))
+    prep = wrapper.prep_model_for_inference
+    prep(tokens) if len(inspect.signature(prep).parameters) >= 1 else prep()
+    with torch.inference_mode():
+        return getattr(wrapper, method)(wrapper.prep_inference_input(tokens))
+
+
+def _broadcast_logits(logits, shape, ctx):
+    """The controller's broadcast of the last stage's logits (dtype=params_dtype, as upstream calls it)."""
+    from megatron.core.inference import communication_utils
+    from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
+
+    pp_kwargs = ({"pp_group": ctx.pp_group}
+                 if "pp_group" in inspect.signature(tgc.broadcast_from_last_pipeline_stage).parameters else {})
+    original = getattr(communication_utils, "_is_cuda", None)
+    communication_utils._is_cuda = lambda t: None  # CPU tensors: upstream asserts .is_cuda
+    try:
+        return tgc.broadcast_from_last_pipeline_stage(list(shape), torch.bfloat16, logits, **pp_kwargs)
+    finally:
+        if original is None:
+            del communication_utils._is_cuda
+        else:
+            communication_utils._is_cuda = original
+
+
+def _inference_pp2(ctx):
+    """PP=2: both stages run the wrapper's pipeline paths (activations really travel), the last
+    stage's logits and their FP32 oracle are kept, then the controller broadcast delivers the
+    logits to the first stage, the receiving side."""
+    import megapatch
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+
+    tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    methods = [m for m in PP_METHODS if hasattr(GPTInferenceWrapper, m)]
+    found = {}
+    for mode in ("native", "fp32"):
+        megapatch.enable(logits_dtype=mode)
+        model = build_tiny_gpt(tiny_gpt_config(tp=1, pp=ctx.pp_size), vocab_size=V, seq_len=S, seed=5).eval()
+        calls, oracle = _head_oracle(model)
+        row = found[mode] = {}
+        for method in methods:
+            calls.clear()
+            logits = _wrapper_run(model, tokens, method, ctx)
+            row[method] = (None if logits is None else
+                           (str(logits.dtype), logits.float(), oracle().float()))
+        first = row[methods[0]]
+        sent = first[1].to(torch.float32 if mode == "fp32" else torch.bfloat16).contiguous() \
+            if ctx.is_last_stage else None
+        # the shape and the oracle reach the first stage by plain torch broadcasts (not the patched one)
+        last_rank = torch.distributed.get_process_group_ranks(ctx.pp_group)[-1]
+        shape = torch.tensor(first[1].shape) if ctx.is_last_stage else torch.empty(3, dtype=torch.int64)
+        torch.distributed.broadcast(shape, src=last_rank, group=ctx.pp_group)
+        shape = tuple(shape.tolist())
+        got = _broadcast_logits(sent, shape, ctx)
+        reference = first[2].contiguous() if ctx.is_last_stage else torch.empty(shape)
+        torch.distributed.broadcast(reference, src=last_rank, group=ctx.pp_group)
+        row["broadcast"] = (str(got.dtype), got.float(), reference)
+    megapatch.disable()
+    return found
+
+
+def test_fp32_logits_cross_the_pipeline_and_reach_the_receiving_stage():
+    first_stage, last_stage = run_ranks(_inference_pp2, world_size=2, pp=2, timeout=300)
+    for method in ("native", "fp32"):
+        assert all(v is None for k, v in first_stage[method].items() if k != "broadcast")  # not last
+    fp32, native = last_stage["fp32"], last_stage["native"]
+    paths = [k for k in fp32 if k != "broadcast"]
+    assert paths, "no pipeline-parallel inference path in this megatron-core"
+    for path in paths:
+        dtype, logits, oracle = fp32[path]
+        assert dtype == "torch.float32", (path, dtype)
+        assert logits.shape == oracle.shape and (logits - oracle).abs().max() < 1e-5, (path, logits.shape, oracle.shape)
+        dtype, logits, oracle = native[path]
+        assert dtype == "torch.bfloat16" and (logits - oracle).abs().max() > 1e-5, path  # the oracle can fail
+    for rank, stage in enumerate((first_stage, last_stage)):
+        dtype, got, reference = stage["fp32"]["broadcast"]
+        assert dtype == "torch.float32", (rank, dtype)
+        assert (got - reference).abs().max() < 1e-5, rank
+        assert torch.equal(got, first_stage["fp32"]["broadcast"][1])  # both stages hold the same
+        dtype, got, reference = stage["native"]["broadcast"]
+        assert dtype == "torch.bfloat16" and (got - reference).abs().max() > 1e-5, rank
