@@ -208,7 +208,7 @@ def _modes(text: str) -> List[str]:
         mode = item.strip()
         if mode not in MODES:
             raise argparse.ArgumentTypeError(
-                f"mode {mode!r} is not a tp_reduce_dtype; valid modes: {', '.join(MODES)}")
+                f"mode {mode!r} is not a demo mode; valid modes: {', '.join(MODES)}")
         if mode not in chosen:
             chosen.append(mode)
     return chosen
