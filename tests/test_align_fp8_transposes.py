@@ -71,6 +71,9 @@ def _install_stand_ins(rec, model):
     def finish_param_sync(self, skip_next_bucket_dispatch=False):
         if self.param_gather_handle is not None and rec.in_fwd is not None:
             rec.events.append(dict(kind="prehook_pending", it=rec.it, chunk=self._test_id[0]))
+        if self.param_gather_handle is not None:
+            rec.events.append(dict(kind="finish_in_flight", it=rec.it, chunk=self._test_id[0],
+                                   bg=self._test_id[1], skip_next=skip_next_bucket_dispatch))
         return saved["finish"](self, skip_next_bucket_dispatch=skip_next_bucket_dispatch)
 
     if saved["post"] is not missing:  # never add the name where upstream has none (< 0.16)
@@ -136,6 +139,7 @@ def _train(ctx, patched, psf, vpp, eval_pass=False, cost_s=0.0):
             config.param_sync_func = config.param_sync_func[0]
     else:
         config.param_sync_func = None
+    psf_set = config.param_sync_func
     config.finalize_model_grads_func = lambda chunks_, *a, **k: [m.finish_grad_sync() for m in chunks_]
 
     def loss_func(output):
@@ -192,7 +196,8 @@ def _train(ctx, patched, psf, vpp, eval_pass=False, cost_s=0.0):
     result = dict(losses=losses, params=h.hexdigest(), events=rec.events, times=times,
                   decision=dict(pm.last_decision), backend=backend,
                   n_groups=[len(m.bucket_groups) for m in model],
-                  psf_after=type(config.param_sync_func).__name__)
+                  psf_after=type(config.param_sync_func).__name__,
+                  psf_restored=config.param_sync_func is psf_set)
     megapatch.disable()
     pm.last_decision.update(aligned=False, reason="no interleaved schedule call seen yet", chunks=0)
     return result
@@ -281,6 +286,19 @@ def test_patch_reports_alignment_and_restores_param_sync_func(runs):
         assert r["aligned"]["decision"] == {"aligned": True, "reason": "aligned", "chunks": VPP}
         assert r["aligned"]["backend"] == f"aligned {VPP} chunks at param-sync slots (last call)"
         assert r["aligned"]["psf_after"] == "list"
+        assert r["aligned"]["psf_restored"] and r["lazy"]["psf_restored"]  # the caller's own list
+
+
+def test_in_flight_gathers_are_finished_as_the_prehook_would(runs):
+    """Every in-flight gather is finished once per iteration, with the skip_next_bucket_dispatch
+    value the DDP forward pre-hook passes (align_param_gather=True here)."""
+    for r in runs:
+        for it in range(ITERS):
+            finished = {run: sorted((e["chunk"], e["bg"], e["skip_next"]) for e in r[run]["events"]
+                                    if e["kind"] == "finish_in_flight" and e["it"] == it)
+                        for run in ("lazy", "aligned")}
+            assert finished["aligned"] == finished["lazy"], (it, finished)
+            assert finished["lazy"] and all(skip for _c, _g, skip in finished["lazy"]), finished
 
 
 def test_forward_only_passes_through_with_the_reason(runs):
@@ -333,3 +351,122 @@ def test_passes_through_where_ddp_runs_no_processing():
                     "instead of passing through, which the slot tests above check")
     decision = run_ranks(_pass_through_reason, world_size=PP, tp=1, pp=PP, vpp=VPP, timeout=600)[0]
     assert not decision["aligned"] and "0.16" in decision["reason"], decision
+
+
+# -- the wrapper's logic on a stand-in schedule (in process, no ranks) ---------------------------
+
+
+def test_chunk_order_helper_matches_upstream_schedule_table_for_uneven_groups():
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megapatch.patches.align_fp8_transposes import _chunk_of_virtual_microbatch
+
+    table = getattr(schedules, "get_schedule_table", None)
+    if table is None:
+        from megatron.core.pipeline_parallel import utils
+
+        table = getattr(utils, "get_schedule_table", None)
+    if table is None:
+        pytest.skip("this megatron-core has no get_schedule_table to compare with")
+    cases = [(m, c, g) for m in (1, 2, 3, 4, 5, 7, 8, 9) for c in (2, 3) for g in (1, 2, 3, 4, 5)]
+    assert any(m % g for m, _c, g in cases)  # uneven last groups are covered
+    for m, c, g in cases:
+        assert _chunk_of_virtual_microbatch(m, c, g) == [chunk for _mb, chunk in table(m, c, g)], (m, c, g)
+
+
+class _FakeBucketGroup:
+    """The attributes the aligner reads from a _ParamAndGradBucketGroup, and its finish calls."""
+
+    def __init__(self, dispatched=True, in_flight=True):
+        self.params = []
+        self.param_gather_dispatched = dispatched
+        self.param_gather_handle = object() if dispatched and in_flight else None
+        self.finished = []
+
+    def finish_param_sync(self, skip_next_bucket_dispatch=False):
+        self.finished.append(skip_next_bucket_dispatch)
+        self.param_gather_handle = None
+
+
+class _FakeChunk:
+    """A model chunk that is its own DDP (the test replaces _unwrap_ddp by the identity)."""
+
+    def __init__(self, config, align_param_gather, with_optimizer_step=False):
+        from types import SimpleNamespace
+
+        self.config = config
+        self.ddp_config = SimpleNamespace(align_param_gather=align_param_gather)
+        self.overlap_param_gather_with_optimizer_step = with_optimizer_step
+        self.in_flight = _FakeBucketGroup()
+        self.expert_in_flight = _FakeBucketGroup()
+        self.not_dispatched = _FakeBucketGroup(dispatched=False)
+        self.already_done = _FakeBucketGroup(in_flight=False)
+        self.bucket_groups = [self.in_flight, self.not_dispatched, self.already_done]
+        self.expert_parallel_bucket_groups = [self.expert_in_flight]
+
+
+def _run_stand_in_schedule(monkeypatch, forward_chunks, chunks):
+    """Calls the patch's schedule wrapper around a stand-in schedule that dispatches chunk 0, runs
+    ``forward_chunks`` (chunk index per local forward step, PP rank 0) and calls
+    param_sync_func[1] at chunk 1's slot. Returns (decision, config, the caller's list, log)."""
+    from types import SimpleNamespace
+
+    import megapatch
+    import megatron.core.distributed.param_and_grad_buffer  # noqa: F401  (the patch requires it)
+    from megapatch.patches import align_fp8_transposes as pm
+
+    monkeypatch.setattr(pm, "_why_not", lambda args, kwargs, pgb: None)
+    monkeypatch.setattr(pm, "_unwrap_ddp", lambda chunk: chunk)
+    monkeypatch.setattr(pm, "last_decision", dict(pm.last_decision))
+    log = []
+    config = SimpleNamespace(microbatch_group_size_per_vp_stage=2)
+    model = [_FakeChunk(config, **kw) for kw in chunks]
+    caller_list = [lambda *a, i=i: log.append(("dispatch", i)) for i in range(len(model))]
+    config.param_sync_func = caller_list
+
+    def schedule(*, forward_step_func, data_iterator, model, num_microbatches, pg_collection):
+        config.param_sync_func[0]()
+        for v, c in enumerate(forward_chunks):
+            if v == 1:
+                config.param_sync_func[1]()  # chunk 1's dispatch slot (rank 0: T_1 - 1)
+            forward_step_func(data_iterator, model[c])
+        return "schedule result"
+
+    def forward_step(data_iterator, chunk):
+        log.append(("forward", model.index(chunk)))
+
+    megapatch.enable(align_fp8_transposes=True)
+    pp = SimpleNamespace(pp=SimpleNamespace(rank=lambda: 0))
+    out = pm._schedule(schedule, None, (), dict(forward_step_func=forward_step, data_iterator=None,
+                                                 model=model, num_microbatches=len(forward_chunks) // 2,
+                                                 pg_collection=pp))
+    assert out == "schedule result"
+    return dict(pm.last_decision), config, caller_list, model, log
+
+
+def test_stand_in_schedule_finishes_dense_and_expert_groups_in_flight_only(monkeypatch):
+    decision, config, caller_list, model, log = _run_stand_in_schedule(
+        monkeypatch, [0, 0, 1, 1], [dict(align_param_gather=True), dict(align_param_gather=False)])
+    assert decision == {"aligned": True, "reason": "aligned", "chunks": 2}
+    assert config.param_sync_func is caller_list  # restored: the caller's own list, not a copy
+    assert [e for e in log if e[0] == "dispatch"] == [("dispatch", 0), ("dispatch", 1)]
+    # skip_next_bucket_dispatch: what DDP's pre-hook passes for each chunk's configuration
+    for chunk, skip in zip(model, (True, False)):
+        assert chunk.in_flight.finished == [skip], chunk.in_flight.finished
+        assert chunk.expert_in_flight.finished == [skip]  # expert-parallel groups are not dropped
+        assert chunk.not_dispatched.finished == [] and chunk.already_done.finished == []  # in flight only
+
+
+def test_stand_in_schedule_passes_the_optimizer_step_overlap_flag(monkeypatch):
+    _decision, _config, _list, model, _log = _run_stand_in_schedule(
+        monkeypatch, [0, 0, 1, 1], [dict(align_param_gather=False, with_optimizer_step=True)] * 2)
+    for chunk in model:
+        assert chunk.in_flight.finished == [True] and chunk.expert_in_flight.finished == [True]
+
+
+def test_out_of_order_forward_steps_are_not_reported_as_aligned(monkeypatch):
+    with pytest.warns(RuntimeWarning, match="out of virtual-microbatch order"):
+        decision, config, caller_list, model, _log = _run_stand_in_schedule(
+            monkeypatch, [1, 0, 0, 1], [dict(align_param_gather=True)] * 2)
+    assert decision["aligned"] is False and "out of virtual-microbatch order" in decision["reason"], decision
+    assert config.param_sync_func is caller_list
+    assert model[1].in_flight.finished == []  # nothing aligned after the fallback
