@@ -17,7 +17,11 @@ Examples:
   python tools/matrix.py --part 1/3 all                       # a third of the cells (CI-sized)
   python tools/matrix.py --cells mcore-0.16.1,main test -- tests/test_options.py
   python tools/matrix.py report                               # README table from results/matrix
-  MEGATRON_LM_GITDIR=/path/to/Megatron-LM.git python tools/matrix.py --cells main all
+  python tools/matrix.py --cells mcore-0.13.1,mcore-0.19.2 --subset all  # what CI runs
+
+The Megatron-LM main cell installs megatron-core from the pinned source tarball
+../shared/megatron-lm/Megatron-LM-main-<commit[:8]>.tar.gz (or MEGATRON_LM_TARBALL) when present,
+else from a local git dir holding the commit (MEGATRON_LM_GITDIR).
 """
 from __future__ import annotations
 
@@ -36,12 +40,15 @@ from pathlib import Path
 
 def _find_python(ver: str) -> str:
     """First interpreter that really runs (a pyenv shim for a non-selected version exits 127)."""
-    cands = [os.environ.get(f"MATRIX_PY{ver.replace('.', '')}"), f"python{ver}",
-             *sorted(map(str, Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{ver}.*/bin/python{ver}")),
-                     reverse=True)]
+    roots = {Path(os.environ.get("PYENV_ROOT", "~/.pyenv")).expanduser(), Path("~/.pyenv").expanduser()}
+    pyenv = sorted((str(p) for r in roots for p in (r / "versions").glob(f"{ver}.*/bin/python{ver}")), reverse=True)
+    cands = [os.environ.get(f"MATRIX_PY{ver.replace('.', '')}"), f"python{ver}", *pyenv]
     for c in filter(None, cands):
-        if subprocess.run([c, "-c", "pass"], capture_output=True).returncode == 0:
-            return shutil.which(c) or c
+        try:
+            if subprocess.run([c, "-c", "pass"], capture_output=True).returncode == 0:
+                return shutil.which(c) or c
+        except OSError:  # not on PATH / not executable
+            continue
     return f"python{ver}"
 
 
@@ -49,6 +56,13 @@ PY311 = _find_python("3.11")
 PY312 = _find_python("3.12")
 TORCH = os.environ.get("MATRIX_TORCH", "2.13.0")
 MAIN_COMMIT = os.environ.get("MATRIX_MAIN_COMMIT", "d98e8a64ddf34856e74b24714e3bedb2f5a39553")
+# The per-patch subset each cell runs by default (`--subset`): every multi-rank test of each patch,
+# ~75-100 s a cell on 2 cores. README's table and CI (.ci/run) use exactly this list.
+SUBSET = ["tests/test_options.py", "tests/test_surface_lock.py", "tests/test_tp_reduce_mcore.py",
+          "-k", "exactly or not_exact or (row_parallel and 2) or integer or cross_entropy or inference "
+                "or align or fp8 or option or lock or refused or marked",
+          "tests/test_logits_fp32.py", "tests/test_logits_inference.py",
+          "tests/test_align_fp8_transposes.py"]
 COMMON = ["wrapt>=2.0", "packaging>=24.2", "pytest>=8", "pytest-timeout>=2.2"]
 BUILD = ["hatchling>=1.18", "editables", "setuptools>=80", "pybind11"]
 
@@ -72,7 +86,7 @@ def cells() -> list[Cell]:
     for v in ["0.17.1", "0.18.2", "0.19.2"]:
         out.append(Cell(f"mcore-{v}", PY312, "3.12", v))
     out.append(Cell("main", PY312, "3.12", f"git:{MAIN_COMMIT}",
-                    note="Megatron-LM main (incl. #6252 FP32 logits); needs MEGATRON_LM_GITDIR"))
+                    note="Megatron-LM main (incl. #6252 FP32 logits), from the pinned tarball or MEGATRON_LM_GITDIR"))
     return out
 
 
@@ -117,18 +131,37 @@ class Runner:
                 if c.pytag == pytag and not c.mcore.startswith("git:"):
                     self.sh([py, "-m", "pip", "download", "-q", "--no-deps", "-d", wh, f"megatron-core=={c.mcore}"], log)
 
+    def main_tarball(self, commit: str):
+        """The pinned Megatron-LM source tarball for ``commit``, if one is at hand."""
+        named = os.environ.get("MEGATRON_LM_TARBALL")
+        if named:
+            return Path(named)
+        shared = Path(self.a.project).resolve().parent / "shared" / "megatron-lm"
+        found = sorted(shared.glob(f"Megatron-LM-main-{commit[:8]}*.tar.gz"))
+        return found[0] if found else None
+
     def mcore_source(self, c: Cell, tmp: Path):
         if not c.mcore.startswith("git:"):
             return f"megatron-core=={c.mcore}"
-        gitdir = os.environ.get("MEGATRON_LM_GITDIR")
         commit = c.mcore[4:]
+        src = tmp / "mlm"; src.mkdir()
+        tarball = self.main_tarball(commit)
+        if tarball is not None:
+            if not tarball.exists():
+                raise SkipCell(f"MEGATRON_LM_TARBALL={tarball} does not exist")
+            # the tarball holds one top directory (Megatron-LM/) with pyproject.toml, setup.py, megatron/
+            subprocess.run(["tar", "-xzf", tarball, "-C", src, "--strip-components=1"], check=True)
+            if not (src / "pyproject.toml").exists() or not (src / "megatron" / "core").is_dir():
+                raise SkipCell(f"{tarball} holds no Megatron-LM source tree (pyproject.toml, megatron/core)")
+            return str(src)
+        gitdir = os.environ.get("MEGATRON_LM_GITDIR")
         if not gitdir or not Path(gitdir).exists():
-            raise SkipCell("MEGATRON_LM_GITDIR is not set or missing: the Megatron-LM main cell needs a local "
-                           "git dir of NVIDIA/Megatron-LM holding commit " + commit)
+            raise SkipCell("no Megatron-LM-main-" + commit[:8] + ".tar.gz in ../shared/megatron-lm (or "
+                           "MEGATRON_LM_TARBALL), and MEGATRON_LM_GITDIR is not set or missing: the Megatron-LM "
+                           "main cell needs one of them holding commit " + commit)
         ok = subprocess.run(["git", "--git-dir", gitdir, "cat-file", "-e", commit + "^{commit}"]).returncode == 0
         if not ok:
             raise SkipCell(f"commit {commit} not in {gitdir}")
-        src = tmp / "mlm"; src.mkdir()
         p1 = subprocess.Popen(["git", "--git-dir", gitdir, "archive", commit, "megatron/core", "pyproject.toml",
                                "setup.py", "MANIFEST.in", "README.md"], stdout=subprocess.PIPE)
         subprocess.run(["tar", "-x", "-C", src], stdin=p1.stdout, check=True); p1.wait()
@@ -327,6 +360,12 @@ def write_report(results: Path, readme: Path) -> int:
         summary = r.get("summary", r.get("reason", ""))
         lines.append(f"| {upstream} | {r.get('python')} | {r.get('date', '')} | " + " | ".join(cells)
                      + f" | {status}: {summary} |")
+    ran = {tuple(r.get("pytest_args") or ()) for r in rows}
+    if len(ran) == 1:
+        args = list(ran.pop())
+        which = "`python tools/matrix.py --subset test`, i.e. " if args == SUBSET else ""
+        shown = " ".join(f'"{a}"' if " " in a else a for a in args) or "(the whole suite)"
+        lines += ["", f"Every cell ran {which}`pytest {shown}`."]
     lines += ["", END]
     text = readme.read_text()
     if BEGIN in text and END in text:
@@ -350,8 +389,14 @@ def main():
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--update-locks", action="store_true",
                     help="record each cell's patch-surface lock into megapatch/surface_lock/ before testing")
+    ap.add_argument("--subset", action="store_true",
+                    help="run the per-patch subset (SUBSET in this file) instead of the pytest args")
     ap.add_argument("pytest_args", nargs="*", default=[])
     a = ap.parse_args()
+    if a.subset:
+        if a.pytest_args:
+            ap.error("--subset and explicit pytest args are exclusive")
+        a.pytest_args = list(SUBSET)
     cs = cells()
     if a.cells:
         want = a.cells.split(","); cs = [c for c in cs if c.id in want]
