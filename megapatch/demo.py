@@ -27,7 +27,7 @@ import time
 import warnings
 from typing import Dict, List
 
-MODES = ("native", "fp32-accumulate", "fp32")
+MODES = ("native", "fp32-accumulate", "fp32", "tp-invariant")  # the last: tp_invariant=True
 VOCAB, SEQ, BATCH, SEED = 128, 32, 4, 1234
 HEADS = 8  # with tiny_gpt's hidden 64 and FFN 256: a TP size must divide 8, 64, 256 and VOCAB
 TP_SIZES = (1, 2, 4, 8)  # the divisors of gcd(HEADS, 64, 256, VOCAB) = 8
@@ -98,6 +98,11 @@ def _fp32_reference(ctx, variant: str):
         return model(batch.tokens, batch.position_ids, batch.attention_mask).float()
 
 
+def _mode_options(mode: str) -> dict:
+    """The ``megapatch.enable()`` arguments of a demo mode."""
+    return {"tp_invariant": True} if mode == "tp-invariant" else {"tp_reduce_dtype": mode}
+
+
 def _rank_job(ctx, tps: List[int], modes: List[str], variants: List[str]):
     import megapatch
     from megapatch.testing import reinit_model_parallel
@@ -106,7 +111,7 @@ def _rank_job(ctx, tps: List[int], modes: List[str], variants: List[str]):
     for tp in tps:
         ctx = reinit_model_parallel(ctx, tp=tp)
         for mode in modes:
-            megapatch.enable(tp_reduce_dtype=mode)
+            megapatch.enable(**_mode_options(mode))
             for variant in variants:
                 out[(variant, mode, tp)] = _logits(ctx, variant, tp)
             megapatch.disable()
@@ -167,7 +172,7 @@ def plot(rows: List[dict], path: str) -> bool:
     variants = sorted({r["variant"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(1, len(variants), figsize=(5.5 * len(variants), 4), squeeze=False)
     for ax, variant in zip(axes[0], variants):
-        for mode, marker in zip(MODES, "osD"):
+        for mode, marker in zip(MODES, "osD^"):
             pts = [(r["tp"], r["max_abs_dlogit"]) for r in rows if r["variant"] == variant and r["mode"] == mode]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=mode)

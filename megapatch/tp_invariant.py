@@ -80,17 +80,32 @@ def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
-def invariant_sum(partials: Sequence[torch.Tensor], group) -> torch.Tensor:
-    """The fixed-tree FP32 sum of all W block partials, given this rank's W/t of them (every
-    rank gets the same bits)."""
+def invariant_sum(partials: Sequence[torch.Tensor], group,
+                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The fixed-tree FP32 sum of all W block partials, given this rank's W/t of them; every rank
+    gets the same bits. With ``out_dtype``, the sum is returned rounded to it.
+
+    Without ``out_dtype`` the FP32 subtree roots are all-gathered (t x 4 bytes per element
+    received). With it, each rank receives every peer's roots for one 1/t slice of the elements
+    (all-to-all), computes the top of the tree there, rounds, and the rounded slices are
+    all-gathered: (t-1)/t x (4 + 2) bytes per element for BF16, 1.5x a native ring all-reduce."""
     root = tree_sum(partials)
     t = group_size(group)
     if t == 1:
-        return root
-    flat = root.reshape(-1).contiguous()
-    gathered = torch.empty(t * flat.numel(), dtype=root.dtype, device=root.device)
-    _all_gather_single(gathered, flat, group=group)
-    return tree_sum([part.view_as(root) for part in gathered.view(t, -1).unbind(0)])
+        return root if out_dtype is None else root.to(out_dtype)
+    flat = root.reshape(-1)
+    if out_dtype is None:
+        gathered = torch.empty(t * flat.numel(), dtype=root.dtype, device=root.device)
+        _all_gather_single(gathered, flat.contiguous(), group=group)
+        return tree_sum([part.view_as(root) for part in gathered.view(t, -1).unbind(0)])
+    pad = (-flat.numel()) % t
+    send = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
+    recv = torch.empty_like(send)
+    c10d.all_to_all_single(recv, send, group=group)  # row i: peer i's roots for my slice
+    mine = tree_sum(recv.view(t, -1).unbind(0)).to(out_dtype)
+    out = torch.empty(t * mine.numel(), dtype=out_dtype, device=root.device)
+    _all_gather_single(out, mine, group=group)
+    return out[: flat.numel()].view_as(root)
 
 
 # torch >= 2.13 names it all_gather_single (and deprecates the old name)
@@ -140,7 +155,7 @@ class ColumnParallel(torch.autograd.Function):
         dgrad = wgrad = bgrad = None
         if partials:
             group = ctx.group if ctx.reduce_dgrad else None
-            dgrad = invariant_sum(partials, group).to(x.dtype).view(x.shape)
+            dgrad = invariant_sum(partials, group, x.dtype).view(x.shape)
         if wgrads:
             wgrad = torch.cat(wgrads, dim=0).to(weight.dtype)
         if bgrads:
@@ -161,7 +176,7 @@ class RowParallel(torch.autograd.Function):
         ctx.nb = nb
         x2 = x.reshape(-1, x.shape[-1])
         partials = [f32(x2[:, sl]) @ f32(weight[:, sl]).t() for sl in _slices(weight.shape[1], nb)]
-        out = invariant_sum(partials, group).to(x.dtype)
+        out = invariant_sum(partials, group, x.dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -213,19 +228,32 @@ def sum_exp_partials(exp_logits: torch.Tensor, nb: int) -> List[torch.Tensor]:
     return [f32(e2[:, sl]).sum(dim=-1) for sl in _slices(e2.shape[-1], nb)]
 
 
-def squared_norm(grad: torch.Tensor, partition_dim: Optional[int], group) -> torch.Tensor:
-    """Sum of squares of a (possibly TP-sharded) gradient, the same at every TP size.
+def squared_norms(grads: Sequence[torch.Tensor], partition_dims: Sequence[Optional[int]],
+                  group) -> torch.Tensor:
+    """Sum of squares of each (possibly TP-sharded) gradient, the same at every TP size, as one
+    FP32 vector.
 
-    Sharded (``partition_dim`` given): W blocks along the partition dim through the fixed tree
-    across the group. Replicated: one FP32 sum of the whole tensor, computed alike by every rank."""
-    if partition_dim is None:
-        g = f32(grad)
-        return (g * g).sum()
-    nb = check_divisible(f"a gradient of shape {tuple(grad.shape)} (partition dim {partition_dim})",
-                         grad.shape[partition_dim] * group_size(group), grad.shape[partition_dim],
-                         group)
-    partials = []
-    for i in range(blocks_per_rank(group)):
-        g = f32(grad.narrow(partition_dim, i * nb, nb))
-        partials.append((g * g).sum())
-    return invariant_sum([p.reshape(1) for p in partials], group)[0]
+    Sharded (partition dim given): W blocks along the partition dim, one fixed tree across the
+    group (one all-gather for all of them). Replicated (``None``): one FP32 sum of the whole
+    tensor, computed alike by every rank."""
+    nb = blocks_per_rank(group)
+    totals = torch.zeros(len(grads), dtype=torch.float32)
+    blocks = []  # per sharded gradient: its W/t block sums
+    sharded = []
+    for i, (grad, dim) in enumerate(zip(grads, partition_dims)):
+        if dim is None:
+            g = f32(grad)
+            totals[i] = (g * g).sum().cpu()
+            continue
+        size = check_divisible(f"a gradient of shape {tuple(grad.shape)} (partition dim {dim})",
+                               grad.shape[dim] * group_size(group), grad.shape[dim], group)
+        sums = []
+        for b in range(nb):
+            g = f32(grad.narrow(dim, b * size, size))
+            sums.append((g * g).sum().cpu())
+        blocks.append(torch.stack(sums))
+        sharded.append(i)
+    if sharded:
+        per_block = torch.stack(blocks, dim=1)  # [W/t, sharded gradients]
+        totals[sharded] = invariant_sum(list(per_block.unbind(0)), group)
+    return totals

@@ -210,14 +210,16 @@ def _grad_norm_fp32(wrapped, instance, args, kwargs):
         _refuse("a grad norm over pipeline or data-parallel ranks",
                 "only the tensor-parallel sum is made invariant")
     decoupled = getattr(owner.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
-    total = torch.zeros((), dtype=torch.float32)
+    grads, dims = [], []
     for param in owner.get_parameters():
         grad = getattr(param, "decoupled_grad", None) if decoupled else param.grad
         if grad is None or not param_is_not_shared(param):
             continue
-        sharded = getattr(param, "tensor_model_parallel", False)
-        dim = param.partition_dim if sharded else None
-        total = total + tpi.squared_norm(grad, dim, tp_group if sharded else None).cpu()
+        grads.append(grad)
+        dims.append(param.partition_dim if getattr(param, "tensor_model_parallel", False) else None)
+    total = torch.zeros((), dtype=torch.float32)
+    for value in tpi.squared_norms(grads, dims, tp_group).unbind(0):  # in parameter order
+        total = total + value
     return total.item() ** 0.5
 
 
