@@ -1,0 +1,152 @@
+"""Startup cost of megapatch at scale (issue 10, item 5), as CPU time of fresh interpreters.
+
+(a) ``python -c pass`` with a ``MEGAPATCH_*`` variable set, megatron never imported, against the
+    same command with no variable (goal: within 2 ms CPU). For context, a third row imports the
+    engine eagerly, as the startup hook did before it deferred its imports.
+(b) The TE wiring verdict the TE patch's probe needs (``megapatch.te_verdict.installed_problem``)
+    in a fresh process that has megapatch's engine loaded, as a rank has when the probe runs: the first process of a TE installation runs the static check over TE's
+    sources and stores the verdict; every later process (every rank, every job) reads it (goal:
+    under 100 ms per rank). TE's sources come from the ``transformer-engine`` py3-none-any wheel
+    of ``--te-version`` (downloaded into the static check's wheel cache when missing), extracted
+    and put on ``PYTHONPATH`` -- the probe locates TE with ``find_spec`` and never imports it.
+(c) ``import megatron.core`` with ``MEGAPATCH_TP_REDUCE_DTYPE=fp32`` against no variable: what
+    activation (engine import, patch discovery, surface checks, wrapping) costs a rank.
+
+CPU time is user+system of the child (``resource.getrusage(RUSAGE_CHILDREN)`` deltas), medians
+over runs that alternate between the rows. Run it in the environment megapatch is pip-installed
+in (its ``.pth`` must be there)::
+
+    python benchmarks/startup_cost.py [--runs 200] [--import-runs 7] [--te-version 2.20.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+
+CLEAN = {k: v for k, v in os.environ.items()
+         if not k.startswith("MEGAPATCH_") and k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
+
+
+def cpu_ms(cmd, env, cwd) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, env=env, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return 1000 * ((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+
+
+def alternate(rows, runs, cwd):
+    """``{label: [ms, ...]}``, one run of each row per round (load changes hit all rows alike)."""
+    for _label, cmd, env in rows:  # warm-up: bytecode caches written, files in the page cache
+        subprocess.run(cmd, env=env, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    times = {label: [] for label, _cmd, _env in rows}
+    for _ in range(runs):
+        for label, cmd, env in rows:
+            times[label].append(cpu_ms(cmd, env, cwd))
+    return times
+
+
+def table(times, base):
+    ref = statistics.median(times[base])
+    lines = ["| case | median CPU ms | vs first row |", "|---|---|---|"]
+    for label, values in times.items():
+        med = statistics.median(values)
+        lines.append(f"| {label} | {med:.2f} | {med - ref:+.2f} ms |")
+    return "\n".join(lines)
+
+
+def startup(runs, cwd):
+    py = sys.executable
+    rows = [
+        ("`python -c pass`, no MEGAPATCH_* variable", [py, "-c", "pass"], CLEAN),
+        ("`python -c pass`, MEGAPATCH_TP_REDUCE_DTYPE=fp32", [py, "-c", "pass"],
+         {**CLEAN, "MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}),
+        ("(context) no variable, `python -c 'import megapatch.engine'` (the eager hook's imports)",
+         [py, "-c", "import megapatch.engine"], CLEAN),
+    ]
+    return table(alternate(rows, runs, cwd), rows[0][0])
+
+
+def te_tree(version, workdir):
+    from megapatch import te_wiring
+
+    claimed = te_wiring.claimed_versions()
+    wheel = te_wiring.ensure_wheels({version: claimed[version]})[version]
+    root = os.path.join(workdir, f"te-{version}")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(root, [n for n in archive.namelist() if n.startswith("transformer_engine/")])
+    return root
+
+
+PROBE = """
+import sys, time
+import megapatch.engine  # loaded before the probe runs in a rank (enable() -> patch install)
+t0 = time.process_time()
+from megapatch import te_verdict
+problem = te_verdict.installed_problem()
+ms = 1000 * (time.process_time() - t0)
+print(f"{ms:.1f} {problem is None} {'megapatch.te_wiring' in sys.modules}")
+"""
+
+
+def te_verdict_cost(version, workdir, runs):
+    root = te_tree(version, workdir)
+    cache = tempfile.mkdtemp(prefix="cache-", dir=workdir)
+    env = {**CLEAN, "PYTHONPATH": root, "XDG_CACHE_HOME": cache}
+
+    def probe():
+        out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=workdir, check=True,
+                             capture_output=True, text=True).stdout.split()
+        return float(out[0]), out[1] == "True", out[2] == "True"
+
+    first = probe()
+    later = [probe() for _ in range(runs)]
+    assert first[1] and all(ok for _, ok, _ in later), "the TE wiring check reported problems"
+    return "\n".join([
+        "| TE wiring verdict, fresh process | CPU ms (in-process) | static checker imported |",
+        "|---|---|---|",
+        f"| first process of the installation (runs the check, stores it) | {first[0]:.1f} | {first[2]} |",
+        f"| every later process (median of {runs}) | {statistics.median(t for t, _, _ in later):.1f} | "
+        f"{any(imp for _, _, imp in later)} |",
+    ])
+
+
+def activation(runs, cwd):
+    py = sys.executable
+    code = "import megatron.core"
+    rows = [("`import megatron.core`, no variable", [py, "-c", code], CLEAN),
+            ("`import megatron.core`, MEGAPATCH_TP_REDUCE_DTYPE=fp32 (megapatch activates)",
+             [py, "-c", code], {**CLEAN, "MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})]
+    return table(alternate(rows, runs, cwd), rows[0][0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=200, help="rounds of (a)")
+    parser.add_argument("--import-runs", type=int, default=7, help="rounds of (c); 0 skips it")
+    parser.add_argument("--te-version", default="2.20.2", help="TE release for (b); '' skips it")
+    parser.add_argument("--te-runs", type=int, default=10)
+    args = parser.parse_args()
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["purelib"], "megapatch-startup.pth")):
+        sys.exit("megapatch's startup .pth is not installed in this environment: pip install it first")
+    with tempfile.TemporaryDirectory(prefix="megapatch-startup-") as workdir:
+        print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
+              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+        print(f"(a) interpreter start, {args.runs} rounds\n\n{startup(args.runs, workdir)}\n")
+        if args.te_version:
+            print(f"(b) TE {args.te_version} wiring verdict\n\n"
+                  f"{te_verdict_cost(args.te_version, workdir, args.te_runs)}\n")
+        if args.import_runs:
+            print(f"(c) activation at import, {args.import_runs} rounds\n\n{activation(args.import_runs, workdir)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
