@@ -175,8 +175,9 @@ def test_doctor_reports_the_megatron_core_of_the_checkout(checkout):
     checkout_path, checkout_version = checkout
     wheel_version = importlib.metadata.version("megatron-core")
     assert checkout_version != wheel_version, "the checkout must differ from the installed wheel"
-    result = _run([sys.executable, "-m", "megapatch", "doctor", "--json"], {"PYTHONPATH": checkout_path},
-                  check=False)
+    # this repository's megapatch (the one installed here, or a copy under test), then the checkout
+    path = os.pathsep.join([checkout_path, REPO])
+    result = _run([sys.executable, "-m", "megapatch", "doctor", "--json"], {"PYTHONPATH": path}, check=False)
     report = json.loads(result.stdout)
     assert report["versions"]["megatron-core"] == checkout_version, report["versions"]
     assert report["versions"]["torch"] == importlib.metadata.version("torch")
