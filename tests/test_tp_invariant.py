@@ -87,6 +87,57 @@ def _refusal(ctx, shape, **overrides):
     return None
 
 
+PLANTED = (2.0 ** 24, -(2.0 ** 24), 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
+
+
+def _planted(shape, seed):
+    """Values whose FP32 sums depend on the order of addition (+-2^24 with small integers)."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, len(PLANTED), shape, generator=generator)
+    return torch.tensor(PLANTED)[index]
+
+
+def _signs(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
+
+
+def _planted_layers(ctx):
+    """A row-parallel forward and a column-parallel dgrad (K = N = 16: 8 blocks of 2) on planted
+    values; every rank holds its shard of the same full tensors."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    tp, rank = ctx.tp_size, ctx.tp_rank
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=8,
+                               tensor_model_parallel_size=tp, params_dtype=torch.bfloat16, bf16=True,
+                               use_cpu_initialization=True, perform_initialization=False,
+                               gradient_accumulation_fusion=False)
+    shard = slice(rank * 16 // tp, (rank + 1) * 16 // tp)
+    row = RowParallelLinear(16, 16, config=config, init_method=None, bias=False,
+                            input_is_parallel=True, skip_bias_add=True)
+    with torch.no_grad():
+        row.weight.copy_(_planted((16, 16), 1)[:, shard])
+    x = _signs((8, 1, 16), 2)[..., shard].to(torch.bfloat16)
+    row_out = row(x)[0].detach().float()
+    column = ColumnParallelLinear(16, 16, config=config, init_method=None, bias=False,
+                                  gather_output=False)
+    with torch.no_grad():
+        column.weight.copy_(_planted((16, 16), 3)[shard])
+    x = torch.ones(8, 1, 16, dtype=torch.bfloat16, requires_grad=True)
+    column(x)[0].backward(_signs((8, 1, 16), 4)[..., shard].to(torch.bfloat16))
+    return {"row": row_out, "dgrad": x.grad.float()}
+
+
+def _tree_oracle(products):
+    """Independent FP32 oracle: pairs (the 2-wide blocks) summed, then adjacent pairs level by
+    level, rounded once to BF16."""
+    parts = list((products[..., 0::2] + products[..., 1::2]).unbind(-1))
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0].to(torch.bfloat16).float()
+
+
 def _job(ctx):
     import megapatch
     from megapatch.testing import reinit_model_parallel
@@ -97,6 +148,7 @@ def _job(ctx):
         megapatch.enable(tp_invariant=True)
         for name, shape in MODELS.items():
             out[("invariant", name, tp)] = _train(ctx, shape)
+        out[("invariant", "planted", tp)] = _planted_layers(ctx)
         if tp == 2:
             out["sequence_parallel"] = _refusal(ctx, MODELS["tiny"], sequence_parallel=True)
         megapatch.disable()
@@ -105,6 +157,7 @@ def _job(ctx):
                 megapatch.enable(tp_reduce_dtype=mode)
                 for name, shape in MODELS.items():
                     out[(mode, name, tp)] = _forward_backward(ctx, _model(ctx, shape), shape)
+                out[(mode, "planted", tp)] = _planted_layers(ctx)
                 megapatch.disable()
     return out if ctx.rank == 0 else None
 
@@ -160,6 +213,26 @@ def test_precondition_without_the_mode_tp_changes_the_bits(runs, model, mode, tp
     assert _differing(base["grads"], here["grads"])
     if mode == "native":
         assert not torch.equal(here["logits"], base["logits"])
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_planted_row_forward_and_column_dgrad_follow_the_fixed_tree(runs, tp):
+    """Sums whose FP32 value depends on the association: at every TP size the row-parallel output
+    and the column-parallel dgrad are exactly the fixed tree of 8 blocks, rounded once."""
+    x = _signs((8, 1, 16), 2)
+    row_oracle = _tree_oracle(x[..., None, :] * _planted((16, 16), 1))
+    grad = _signs((8, 1, 16), 4)
+    dgrad_oracle = _tree_oracle(grad[..., None, :] * _planted((16, 16), 3).t())
+    here = runs[("invariant", "planted", tp)]
+    assert torch.equal(here["row"], row_oracle)
+    assert torch.equal(here["dgrad"], dgrad_oracle)
+
+
+@pytest.mark.parametrize("mode", ["native", "fp32"])
+def test_precondition_planted_sums_depend_on_tp_without_the_mode(runs, mode):
+    base = runs[(mode, "planted", 1)]
+    assert any(not torch.equal(base[key], runs[(mode, "planted", tp)][key])
+               for tp in PRECONDITION_TPS[1:] for key in ("row", "dgrad"))
 
 
 def test_sequence_parallelism_is_refused_with_the_reason(runs):
