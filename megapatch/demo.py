@@ -1,5 +1,6 @@
 """``megapatch demo``: how much the logits of one tiny GPT drift when only the TP size changes,
-with native BF16 reductions, fp32-accumulate and fp32, on CPU (gloo ranks, real megatron-core).
+with native BF16 reductions, fp32-accumulate, fp32 and tp-invariant (``tp_invariant=True``), on CPU
+(gloo ranks, real megatron-core).
 
 Two variants of the embedded tiny GPT (2 layers, hidden 64, vocab 128, BF16):
 
