@@ -112,20 +112,17 @@ def model_parallel_initialized(settings) -> None:
 
 
 def check_first_call() -> None:
-    """The first patched call after a (re)configuration: verify the TP group once it exists."""
+    """The first patched call after a (re)configuration that asks for a change (``pending``):
+    verify the TP group once it exists. Until then each patched call costs two lookups."""
     global pending
-    from . import state
-
-    settings = state.current()
-    if not _asks_for_change(settings):
-        pending = False
-        return
     if _dist() is None:
         return
     group = _tp_group()
     if group is None:
         return
-    ensure_group_agrees(group, settings)
+    from . import state
+
+    ensure_group_agrees(group, state.current())
     pending = False
 
 

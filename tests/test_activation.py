@@ -30,18 +30,24 @@ def _torchrun(tmp_path, env_extra):
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.load(open(p)) for p in sorted(glob.glob(prefix + ".rank*.json"))]
     assert len(reports) == 2
-    return reports
+    return reports, result.stdout + result.stderr
 
 
 def test_torchrun_with_environment_only_activates_every_rank(tmp_path):
-    patched = _torchrun(tmp_path, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
+    patched, output = _torchrun(tmp_path, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
     for report in patched:
         assert report["megapatch_loaded"] and "tp_reduce.megatron_core" in report["active"]
         assert report["equals_oracle"], report  # FP32 accumulator reduced, rounded once
+    # the job log says so exactly once (rank 0), with the settings' sources and the patches
+    lines = [line for line in output.splitlines() if "megapatch enabled:" in line]
+    assert len(lines) == 1, output[-4000:]
+    assert "tp_reduce_dtype=fp32 (env MEGAPATCH_TP_REDUCE_DTYPE)" in lines[0]
+    assert "active: " in lines[0] and "tp_reduce.megatron_core [" in lines[0]
 
 
 def test_torchrun_without_environment_is_stock(tmp_path):
-    stock = _torchrun(tmp_path, {})
+    stock, output = _torchrun(tmp_path, {})
+    assert "megapatch" not in output
     for report in stock:
         assert not report["megapatch_loaded"]  # the startup hook costs nothing: not even an import
         assert not report["equals_oracle"], report  # BF16 partial sums: the oracle sees it

@@ -1,10 +1,47 @@
-"""Ranks of one TP group with different megapatch settings stop with a clear error."""
+"""Ranks of one TP group with different megapatch settings stop with a clear error, fast.
+
+Every rank function bounds its collectives (``_bounded``): where the check is missing, ranks
+with different settings issue mismatched collectives that hang, and the test must fail in
+seconds, not at the harness's timeout.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
 
 from megapatch.errors import CrossRankMismatchError
 from megapatch.testing import RankFailure, run_ranks
+
+from conftest import REPO
+
+COLLECTIVE_DEADLINE_S = 30
+
+
+def _bounded(fn, seconds=COLLECTIVE_DEADLINE_S):
+    """``fn()``, or an error if it has not returned after ``seconds`` (a hung collective)."""
+    result, error = [], []
+
+    def run():
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"collective still running after {seconds} s: the ranks' settings were "
+                           f"not checked before it (mismatched collectives hang)")
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _reduce_once(ctx, per_rank_mode):
@@ -15,16 +52,18 @@ def _reduce_once(ctx, per_rank_mode):
     if mode is not None:
         megapatch.enable(tp_reduce_dtype=mode)
     x = torch.ones(8, dtype=torch.bfloat16)
-    return mappings.reduce_from_tensor_model_parallel_region(x, group=ctx.tp_group).tolist()
+    return _bounded(lambda: mappings.reduce_from_tensor_model_parallel_region(x, group=ctx.tp_group).tolist())
 
 
 def test_different_settings_in_one_tp_group_are_refused():
+    started = time.monotonic()
     with pytest.raises(RankFailure) as err:
         run_ranks(_reduce_once, world_size=2, tp=2, args=(["fp32", "fp32-accumulate"],), timeout=120)
     text = str(err.value)
-    assert "CrossRankMismatchError" in text
+    assert "CrossRankMismatchError" in text, text[-3000:]
     assert "megapatch settings differ across tensor-parallel group [0, 1]" in text
     assert "tp_reduce_dtype=fp32;" in text and "tp_reduce_dtype=fp32-accumulate;" in text
+    assert time.monotonic() - started < 100
 
 
 def test_a_peer_without_megapatch_is_named_after_the_timeout():
@@ -32,7 +71,7 @@ def test_a_peer_without_megapatch_is_named_after_the_timeout():
         run_ranks(_reduce_once, world_size=2, tp=2, args=(["fp32", None],), timeout=120,
                   env={"MEGAPATCH_CHECK_TIMEOUT": "3"})
     text = str(err.value)
-    assert "rank(s) [1] of tensor-parallel group [0, 1] published no megapatch settings" in text
+    assert "rank(s) [1] of tensor-parallel group [0, 1] published no megapatch settings within 3 s" in text
 
 
 def test_same_settings_pass_and_reduce():
@@ -42,3 +81,83 @@ def test_same_settings_pass_and_reduce():
 
 def test_error_type_is_public():
     assert issubclass(CrossRankMismatchError, RuntimeError)
+
+
+# -- a rank that disables and re-enables the same settings agrees with its peers --------------
+
+def _toggle_then_reduce(ctx):
+    import megapatch
+    from megatron.core.tensor_parallel import mappings
+
+    megapatch.enable(tp_reduce_dtype="fp32")
+    if ctx.rank == 1:
+        megapatch.disable()
+        megapatch.enable(tp_reduce_dtype="fp32")
+    x = torch.ones(8, dtype=torch.bfloat16)
+    return _bounded(lambda: mappings.reduce_from_tensor_model_parallel_region(x, group=ctx.tp_group).tolist())
+
+
+def test_disable_then_enable_the_same_settings_is_no_mismatch():
+    out = run_ranks(_toggle_then_reduce, world_size=2, tp=2, timeout=120,
+                    env={"MEGAPATCH_CHECK_TIMEOUT": "15"})
+    assert out == [[2.0] * 8, [2.0] * 8]
+
+
+# -- logits: no TP reduction is patched, the check still runs (first patched call) ------------
+
+def _logits_forward(ctx, per_rank_mode):
+    import megapatch
+    from megapatch.testing import build_tiny_gpt, make_batch, tiny_gpt_config
+
+    megapatch.enable(logits_dtype=per_rank_mode[ctx.rank])
+    model = build_tiny_gpt(tiny_gpt_config(tp=ctx.tp_size), vocab_size=64, seq_len=8)
+    batch = make_batch(seed=5, batch=1, seq_len=8, vocab=64)
+    logits = _bounded(lambda: model(batch.tokens, batch.position_ids, batch.attention_mask))
+    return str(logits.dtype)
+
+
+def test_different_logits_dtype_in_one_tp_group_is_refused():
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_logits_forward, world_size=2, tp=2, args=(["fp32", "native"],), timeout=150,
+                  env={"MEGAPATCH_CHECK_TIMEOUT": "60"})
+    text = str(err.value)
+    assert "CrossRankMismatchError" in text, text[-3000:]
+    assert "rank 1 runs logits_dtype=native (this rank: fp32)" in text
+
+
+def test_same_logits_dtype_passes():
+    assert run_ranks(_logits_forward, world_size=2, tp=2, args=(["fp32", "fp32"],),
+                     timeout=150) == ["torch.float32", "torch.float32"]
+
+
+# -- Megatron-LM order: megatron imported before the process group; a rank set to native -------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_native_rank_is_named_at_once_in_the_megatron_lm_order():
+    script = os.path.join(REPO, "tests", "scripts", "megatron_lm_order_tp2.py")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    base.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MEGAPATCH_CHECK_TIMEOUT="40")
+    procs = []
+    for rank, mode in enumerate(("fp32", "native")):
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), MEGAPATCH_TP_REDUCE_DTYPE=mode)
+        procs.append(subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, cwd=REPO))
+    try:
+        out0, _ = procs[0].communicate(timeout=150)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    lines = [line for line in out0.splitlines() if line.startswith("FAILED after")]
+    assert lines, out0[-3000:]
+    seconds = float(lines[0].split()[2])
+    assert "CrossRankMismatchError" in lines[0]
+    assert "rank 1 runs tp_reduce_dtype=native (this rank: fp32)" in lines[0]
+    assert seconds < 20, lines[0]  # at model-parallel initialisation, not after the 40 s timeout

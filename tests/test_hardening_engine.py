@@ -146,24 +146,28 @@ def _passthrough(wrapped, instance, args, kwargs):
 
 
 @pytest.mark.parametrize("strict", [True, False])
-def test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable(monkeypatch, strict):
+def test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable(strict):
     megapatch.enable(tp_reduce_dtype="fp32", strict=strict)
     ours = mappings._reduce
     theirs = wrapt.FunctionWrapper(ours, _passthrough)  # e.g. a profiler wrapping after us
-    monkeypatch.setattr(mappings, "_reduce", theirs)
-    assert patching.find_megapatch_wrapper(theirs) is ours
-    megapatch.disable()
-    assert mappings._reduce is theirs and ours._self_switch.on is False  # ours passes through now
-    status = megapatch.enable(tp_reduce_dtype="fp32", strict=strict)
-    assert status.patch("tp_reduce.megatron_core").state == "active"
-    assert mappings._reduce is theirs and ours._self_switch.on is True
-    assert not patching.is_megapatch_wrapper(ours.__wrapped__)  # never wrapped twice
-    megapatch.disable()
-    assert ours._self_switch.on is False
+    mappings._reduce = theirs
+    try:
+        megapatch.disable()
+        assert mappings._reduce is theirs
+        status = megapatch.enable(tp_reduce_dtype="fp32", strict=strict)
+        assert status.patch("tp_reduce.megatron_core").state == "active"
+        assert patching.find_megapatch_wrapper(theirs) is ours
+        assert mappings._reduce is theirs and ours._self_switch.on is True
+        assert not patching.is_megapatch_wrapper(ours.__wrapped__)  # never wrapped twice
+        megapatch.disable()
+        assert ours._self_switch.on is False  # cannot be taken out from under theirs: passes through
+    finally:
+        megapatch.disable()
+        mappings._reduce = ORIGINAL_REDUCE
 
 
 def test_failed_enable_changes_nothing(monkeypatch):
-    before = megapatch.enable(logits_dtype="fp32", check_timeout=7)
+    before = megapatch.enable(logits_dtype="fp32")
     column_forward = layers.ColumnParallelLinear.__dict__["forward"]
     real_install = patching.install
 
