@@ -8,7 +8,11 @@ out_dtype=torch.float32)`` on CUDA, FP32 copies of the BF16 operands on CPU. The
 upstream's, after ``grad_output`` is cast to the input dtype -- the PR's contract.
 
 Where the installed megatron-core already has the PR (``ColumnParallelLinear.output_dtype``),
-nothing is rerouted: the layer's own ``output_dtype`` is set to FP32 for the call.
+the layer's own ``output_dtype`` is set to FP32 for the call -- when upstream's FP32-output GEMM
+(TE ``general_gemm``, megatron.core.extensions.transformer_engine.te_general_gemm) can run: TE
+importable and the layer on CUDA. Otherwise (no TE, CPU, ``--transformer-impl local`` without TE)
+upstream would raise, so megapatch's own FP32-output GEMM serves the layer as on older versions.
+The first FP32 call logs which path ran (logger ``"megapatch"``, rank 0).
 
 Every other ColumnParallelLinear (QKV, fc1, MoE, user layers) is untouched: only the instance that
 the running model calls ``output_layer`` is marked.
@@ -18,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+from typing import Optional
 
 import torch
 
-from megapatch import fp32_gemm, fp32_linear, state
+from megapatch import fp32_gemm, fp32_linear, report, state
 from megapatch.errors import UnsupportedConfigurationError, UpstreamSurfaceError
 from megapatch.versions import describe_versions
 from megapatch.registry import Patch, Target
@@ -38,6 +44,43 @@ def _native_output_dtype(layer) -> bool:
     return hasattr(layer, "output_dtype")
 
 
+def _device_type(layer) -> str:
+    weight = getattr(layer, "weight", None)  # None when the output weight is passed per call (tied)
+    if isinstance(weight, torch.Tensor):
+        return weight.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _native_gemm_unavailable(device_type: str) -> Optional[str]:
+    """Why upstream's ``output_dtype`` GEMM (TE ``general_gemm``) cannot run here; None if it can."""
+    if device_type != "cuda":
+        return f"its TE general_gemm needs CUDA tensors, the output layer is on {device_type}"
+    try:
+        from megatron.core.extensions import transformer_engine as te_extension
+    except Exception as exc:  # noqa: BLE001 -- TE raises more than ImportError on broken installs
+        return f"megatron.core.extensions.transformer_engine does not import ({exc})"
+    if getattr(te_extension, "te_general_gemm", None) is None:
+        return "Transformer Engine's general_gemm is not available (TE absent or unusable)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _path(device_type: str, native_output_dtype: bool) -> str:
+    """Which mechanism computes the FP32 logits (status backend and job-log line)."""
+    if not native_output_dtype:
+        return f"megapatch FP32-output GEMM ({fp32_gemm.backend(device_type)})"
+    reason = _native_gemm_unavailable(device_type)
+    if reason is None:
+        return "native ColumnParallelLinear.output_dtype (megatron-core has PR #6252; TE general_gemm)"
+    return (f"megapatch FP32-output GEMM ({fp32_gemm.backend(device_type)}) instead of megatron-core's "
+            f"native output_dtype: {reason}")
+
+
+def _say_path(path: str) -> None:
+    report.once(f"logits.fp32_lm_head:{path}", "info", f"megapatch logits.fp32_lm_head: FP32 logits via {path}")
+
+
 @contextlib.contextmanager
 def lm_head(layer):
     """Within this block, ``layer`` (a ColumnParallelLinear) produces FP32 logits when
@@ -46,7 +89,10 @@ def lm_head(layer):
         yield
         return
     _refuse_unsupported(layer)
-    if _native_output_dtype(layer):
+    device_type = _device_type(layer)
+    native = _native_output_dtype(layer)
+    _say_path(_path(device_type, native))
+    if native and _native_gemm_unavailable(device_type) is None:
         previous = layer.output_dtype
         layer.output_dtype = torch.float32
         try:
@@ -115,9 +161,8 @@ def _backend() -> str:
     from megatron.core.tensor_parallel import ColumnParallelLinear
     import inspect
 
-    if "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters:
-        return "native ColumnParallelLinear.output_dtype (megatron-core has PR #6252)"
-    return f"FP32-output GEMM: {fp32_gemm.backend()}"
+    native = "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters
+    return _path("cuda" if torch.cuda.is_available() else "cpu", native)
 
 
 PATCHES = (

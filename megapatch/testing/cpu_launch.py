@@ -1,0 +1,64 @@
+"""Run an unmodified Megatron-LM training script on CPU ranks (gloo).
+
+Usage (one process per rank, as on GPUs)::
+
+    CUDA_DEVICE_MAX_CONNECTIONS=1 MEGAPATCH_TP_REDUCE_DTYPE=fp32 \\
+    torchrun --nproc-per-node 2 -m megapatch.testing.cpu_launch pretrain_gpt.py \\
+        --distributed-backend gloo --use-cpu-initialization --transformer-impl local ... 
+
+The script runs as ``__main__`` with ``sys.path[0]`` set to its directory, exactly as
+``python pretrain_gpt.py`` does, so ``megatron`` is the checkout's, not an installed wheel's.
+Around it, the CUDA-only calls of megatron-core (:mod:`megapatch.testing.cpu_compat`) and of
+Megatron-LM's ``megatron/training`` (:mod:`megapatch.testing.megatron_lm_compat`) are redirected to
+CPU stand-ins; each is listed with the upstream call it replaces in those modules' docstrings and
+``WORKAROUNDS`` tables. No numerics change and no Megatron-LM file is edited.
+
+The launcher never enables megapatch itself: ``MEGAPATCH_*`` variables activate it through the
+installed startup hook, as in any other launch.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+USAGE = "usage: torchrun [torchrun options] -m megapatch.testing.cpu_launch SCRIPT.py [script args...]"
+
+
+def _banner(script: str) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return
+    from . import cpu_compat, megatron_lm_compat
+
+    count = len(cpu_compat.WORKAROUNDS) + len(megatron_lm_compat.WORKAROUNDS) + 2
+    print(f"megapatch.testing.cpu_launch: running {script} on CPU ranks with {count} CUDA "
+          f"stand-ins (megapatch.testing.cpu_compat, megatron_lm_compat); numerics unchanged",
+          file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        print(f"megapatch.testing.cpu_launch: script not found: {argv[0]}\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+
+    # as `python SCRIPT.py args...`: the script's directory first on sys.path, its own argv
+    sys.argv = [script, *argv[1:]]
+    sys.path[0] = os.path.dirname(script)
+    _banner(script)
+
+    from .cpu_compat import cpu_workarounds
+    from .megatron_lm_compat import megatron_lm_workarounds
+
+    with megatron_lm_workarounds(), cpu_workarounds():
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

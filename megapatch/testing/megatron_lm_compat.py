@@ -1,0 +1,287 @@
+"""CPU stand-ins for the CUDA-only calls of Megatron-LM's ``megatron/training`` (on top of
+:mod:`megapatch.testing.cpu_compat`, which covers megatron-core).
+
+Used by :mod:`megapatch.testing.cpu_launch` to run an unmodified Megatron-LM script (e.g.
+``pretrain_gpt.py``) on CPU ranks. Same contract as ``cpu_compat``: CUDA-only calls are redirected,
+no numerics change, nothing in Megatron-LM's files is edited, and every replacement is listed in
+:data:`WORKAROUNDS` with the upstream call it replaces:
+
+=============================================  ===================================================
+replaced (CPU stand-in)                        upstream call it replaces
+=============================================  ===================================================
+``torch.cuda.Stream`` / ``stream``: torch's    the DDP side stream in ``training.get_model``
+CPU stream (``torch.cpu.Stream`` /             (``torch.cuda.Stream()``, ``wait_stream``); CPU ops
+``torch.cpu.stream``)                          have finished when their Python call returns
+                                               (``current_stream``: ``cpu_compat``)
+``torch.cuda.get_rng_state`` /                 ``RerunStateMachine._save_state`` /
+``set_rng_state`` (CPU default generator)      ``_restore_state``; the CPU generator plays the CUDA
+                                               generator, as in ``cpu_compat``
+``torch.cuda.get_device_properties``           ``training.utils.get_device_arch_version`` in
+(``major=0``: no CUDA architecture)            ``validate_args``: treated as pre-Blackwell, so TP>1
+                                               requires ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as on H100
+``initialize_megatron(allow_no_cuda=True)``    ``assert torch.cuda.is_available(), "Megatron
+                                               requires CUDA."``
+``_initialize_distributed``: one device        ``torch.cuda.device_count() == 0`` skips
+(``device_count() == 1``, ``set_device``       ``mpu.initialize_model_parallel``; CPU plays device
+no-op) for this call                           0 and gloo is the backend (``--distributed-backend``)
+``_set_random_seed``: one device for this      ``torch.cuda.device_count() == 0`` skips
+call                                           ``model_parallel_cuda_manual_seed`` (the TP RNG
+                                               tracker, kept on CPU by ``cpu_compat``)
+``initialize._warmup_jit_function``: skipped   compiles the fused bias-GeLU / bias-dropout kernels
+                                               on random ``device="cuda"`` tensors (~20 s of
+                                               ``torch.compile`` on CPU for kernels the
+                                               ``--no-*-fusion`` run never calls; its random draws
+                                               would shift the CPU generator that plays CUDA's)
+``p2p_communication._p2p_ops`` sends a         Megatron-LM forces ``deallocate_pipeline_outputs``:
+private copy of each tensor it sends           ``deallocate_output_tensor`` frees a stage output
+                                               right after its ``isend`` is posted; CUDA orders
+                                               the send first, gloo sends from a background
+                                               thread and would read the freed storage
+``megatron.legacy.fused_kernels.load``:        runs ``nvcc -V`` (absent on CPU); builds no kernel
+skipped (optional: only older Megatron-LM)
+``Tensor.type()`` of a CPU tensor reports      the ``'torch.cuda.BFloat16Tensor'`` / ``FloatTensor``
+``torch.cuda.<T>``                             checks in megatron-core's optimizers
+                                               (``Float16OptimizerWithFloat16Params``,
+                                               ``DistributedOptimizer``, ``clip_grads``)
+=============================================  ===================================================
+
+Module attributes of ``megatron.training`` / ``megatron.legacy`` are replaced by post-import hooks,
+when the script first imports them (before any ``from``-import binds an alias). A required target
+that the checkout lacks raises naming the symbol; everything is restored when the context exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import sys
+import threading
+import types
+from typing import Any, Callable, Iterator, List, Tuple
+
+from .cpu_compat import Workaround
+
+__all__ = ["megatron_lm_workarounds", "WORKAROUNDS", "TYPE_REPORT"]
+
+
+# --- torch.cuda stand-ins ----------------------------------------------------------------------
+
+
+def _cpu_stream_class(_original):
+    # torch.cpu.Stream: wait_stream / wait_event / record_event order nothing, since every CPU op
+    # has finished when its Python call returns
+    import torch
+
+    return torch.cpu.Stream
+
+
+def _cpu_stream_context(_original):
+    import torch
+
+    return torch.cpu.stream
+
+
+def _cpu_get_rng_state(_original):
+    import torch
+
+    def get_rng_state(device="cuda"):
+        return torch.get_rng_state()
+
+    return get_rng_state
+
+
+def _cpu_set_rng_state(_original):
+    import torch
+
+    def set_rng_state(new_state, device="cuda"):
+        torch.set_rng_state(new_state)
+
+    return set_rng_state
+
+
+def _no_cuda_architecture(_original):
+    def get_device_properties(device=None):
+        return types.SimpleNamespace(major=0, minor=0, name="cpu (megapatch.testing.cpu_launch)")
+
+    return get_device_properties
+
+
+# --- megatron.training stand-ins ---------------------------------------------------------------
+
+
+def _allow_no_cuda(original):
+    signature = inspect.signature(original)
+    if "allow_no_cuda" not in signature.parameters:
+        raise RuntimeError(
+            "megapatch.testing.cpu_launch: megatron.training.initialize.initialize_megatron has no "
+            f"'allow_no_cuda' parameter (signature {signature}); this Megatron-LM is not supported")
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["allow_no_cuda"] = True
+        return original(*bound.args, **bound.kwargs)
+
+    return initialize_megatron
+
+
+def _one_cuda_device(original):
+    import torch
+
+    @functools.wraps(original)
+    def with_one_device(*args, **kwargs):
+        device_count, set_device = torch.cuda.device_count, torch.cuda.set_device
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda device: None
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = device_count, set_device
+
+    return with_one_device
+
+
+def _send_private_copies(original):
+    # Megatron-LM forces deallocate_pipeline_outputs=True: right after posting the send of a
+    # stage's output, the schedule pseudo-frees it (``out.data = torch.empty((1,))``). Under CUDA
+    # the send is ordered on the stream before anything reuses that memory; gloo sends from a
+    # background thread and may read the swapped storage (seen here: wrong activations, NaN).
+    # The receiver gets the same values either way.
+    @functools.wraps(original)
+    def _p2p_ops(*args, **kwargs):
+        for name in ("tensor_send_prev", "tensor_send_next"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = kwargs[name].clone()
+        return original(*args, **kwargs)
+
+    return _p2p_ops
+
+
+def _skip(original):
+    @functools.wraps(original)
+    def skipped(*args, **kwargs):
+        return None
+
+    return skipped
+
+
+_INITIALIZE = "megatron.training.initialize"
+
+WORKAROUNDS: Tuple[Workaround, ...] = (
+    Workaround("torch.cuda", "Stream", "torch.cuda.Stream() (DDP side stream in get_model)",
+               _cpu_stream_class),
+    Workaround("torch.cuda", "stream", "with torch.cuda.stream(ddp_stream):", _cpu_stream_context),
+    Workaround("torch.cuda", "get_rng_state", "torch.cuda.get_rng_state() in RerunStateMachine",
+               _cpu_get_rng_state),
+    Workaround("torch.cuda", "set_rng_state", "torch.cuda.set_rng_state() in RerunStateMachine",
+               _cpu_set_rng_state),
+    Workaround("torch.cuda", "get_device_properties",
+               "torch.cuda.get_device_properties('cuda:0').major in get_device_arch_version",
+               _no_cuda_architecture),
+    Workaround(_INITIALIZE, "initialize_megatron",
+               'assert torch.cuda.is_available(), "Megatron requires CUDA."', _allow_no_cuda),
+    Workaround(_INITIALIZE, "_initialize_distributed",
+               "torch.cuda.device_count() == 0 skips mpu.initialize_model_parallel",
+               _one_cuda_device),
+    Workaround(_INITIALIZE, "_set_random_seed",
+               "torch.cuda.device_count() == 0 skips model_parallel_cuda_manual_seed",
+               _one_cuda_device),
+    Workaround(_INITIALIZE, "_warmup_jit_function",
+               "JIT warm-up of fused kernels on random device='cuda' tensors", _skip),
+    Workaround("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops",
+               "isend of a stage output that deallocate_output_tensor frees right after posting",
+               _send_private_copies),
+    Workaround("megatron.legacy.fused_kernels", "load", "nvcc -V probe of the CUDA toolkit", _skip,
+               optional=True),
+)
+
+TYPE_REPORT = "Tensor.type() == 'torch.cuda.<T>' checks in megatron-core's optimizers"
+
+
+def _make_type_report_mode():
+    """``Tensor.type()`` (the no-argument string query) of a CPU tensor reports ``torch.cuda.<T>``;
+    conversions (``Tensor.type(dtype)``) and every other call pass through."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class CudaTypeReport(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                if args[0].device.type == "cpu" and not name.startswith("torch.cuda."):
+                    return "torch.cuda." + name[len("torch."):]
+                return name
+            return func(*args, **kwargs)
+
+    return CudaTypeReport()
+
+
+# --- application -------------------------------------------------------------------------------
+
+
+class _Applied:
+    """The replacements made so far (restored in reverse order) and whether hooks may still act."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.saved: List[Tuple[Any, str, Any, bool]] = []
+        self.active = False
+
+    def replace(self, owner, workaround: Workaround) -> None:
+        if not hasattr(owner, workaround.attr):
+            if workaround.optional:
+                return
+            raise RuntimeError(
+                f"megapatch.testing.cpu_launch: {workaround.module}.{workaround.attr} not found "
+                f"(needed for: {workaround.replaces}); this Megatron-LM is not supported")
+        original = getattr(owner, workaround.attr)
+        self.saved.append((owner, workaround.attr, original, workaround.attr in vars(owner)))
+        setattr(owner, workaround.attr, workaround.make(original))
+
+    def restore(self) -> None:
+        while self.saved:
+            owner, attr, original, had_own = self.saved.pop()
+            if had_own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+
+
+def _on_import(applied: _Applied, module_name: str,
+               workarounds: Tuple[Workaround, ...]) -> Callable[[Any], None]:
+    def hook(module) -> None:
+        with applied.lock:
+            if applied.active:
+                for workaround in workarounds:
+                    applied.replace(module, workaround)
+
+    return hook
+
+
+@contextlib.contextmanager
+def megatron_lm_workarounds() -> Iterator[None]:
+    """Applies :data:`WORKAROUNDS` (``torch.cuda`` now, Megatron-LM modules when imported) and the
+    ``Tensor.type()`` report on this thread; restores everything on exit. Not re-entrant."""
+    import wrapt
+
+    applied = _Applied()
+    applied.active = True
+    by_module: dict = {}
+    for workaround in WORKAROUNDS:
+        by_module.setdefault(workaround.module, []).append(workaround)
+    try:
+        for module_name, workarounds in by_module.items():
+            hook = _on_import(applied, module_name, tuple(workarounds))
+            if module_name in sys.modules or module_name == "torch.cuda":
+                hook(importlib.import_module(module_name))
+            else:
+                wrapt.register_post_import_hook(hook, module_name)
+        with _make_type_report_mode():
+            yield
+    finally:
+        with applied.lock:
+            applied.active = False
+            applied.restore()

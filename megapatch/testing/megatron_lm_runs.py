@@ -1,0 +1,158 @@
+"""Drive Megatron-LM's ``pretrain_gpt.py`` under :mod:`megapatch.testing.cpu_launch` (tests, the
+loss-table benchmark, a user's CI): find or unpack a checkout, build the flags of a tiny GPT, launch
+``torchrun`` with ``MEGAPATCH_*`` variables only, and read back the losses Megatron-LM prints.
+
+Nothing here imports torch or megatron: every run is a separate ``torchrun`` job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+#: the pinned Megatron-LM sources (``<name>: tarball``), each unpacking to ``Megatron-LM/``
+TARBALLS: Dict[str, str] = {
+    "core_v0.16.1": "Megatron-LM-core_v0.16.1.tar.gz",
+    "main-d98e8a64": "Megatron-LM-main-d98e8a64.tar.gz",
+}
+#: Megatron-LM revisions that need a newer Python than megatron-core does
+MIN_PYTHON = {"main-d98e8a64": ((3, 12), "its megatron/training imports typing.override")}
+#: what ``pretrain_gpt.py`` imports besides torch and megatron-core's own dependencies
+#: (module names; pybind11 builds the dataset index helpers on first start)
+TRAINING_MODULES = ("six", "einops", "regex", "sentencepiece", "tiktoken", "yaml", "pydantic",
+                    "triton", "pybind11")
+USER_CHECKOUT_ENV = "MEGATRON_LM_DIR"
+
+_LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.eE+-]+) \|")
+
+
+def python_too_old(name: str) -> Optional[str]:
+    """Why this interpreter cannot run revision ``name`` (None when it can)."""
+    need = MIN_PYTHON.get(name)
+    if need and sys.version_info[:2] < need[0]:
+        return (f"Megatron-LM {name} needs Python >= {'.'.join(map(str, need[0]))} ({need[1]}); "
+                f"this is Python {sys.version.split()[0]}")
+    return None
+
+
+def missing_training_modules() -> List[str]:
+    import importlib.util
+
+    return [m for m in TRAINING_MODULES if importlib.util.find_spec(m) is None]
+
+
+def unpack(tarball: Path, into: Path) -> Path:
+    """Unpack a Megatron-LM source tarball into ``into``; returns the ``Megatron-LM`` checkout."""
+    into.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball) as archive:
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        archive.extractall(into, **safe)
+    checkout = into / "Megatron-LM"
+    if not (checkout / "pretrain_gpt.py").is_file():
+        raise FileNotFoundError(f"{tarball} did not unpack to a Megatron-LM/ checkout with pretrain_gpt.py")
+    return checkout
+
+
+def tiny_gpt_flags(*, tp: int = 1, pp: int = 1, layers_per_virtual_stage: Optional[int] = None,
+                   sequence_parallel: bool = False, iters: int = 3, layers: int = 2,
+                   hidden: int = 64, heads: int = 4, seq: int = 32, vocab: int = 128,
+                   micro_batch: int = 2, global_batch: int = 4, lr: float = 1e-3,
+                   seed: int = 1234, extra: Iterable[str] = ()) -> List[str]:
+    """``pretrain_gpt.py`` flags for a tiny BF16 GPT on CPU ranks: mock data, no fused kernels,
+    no dropout (so runs at different TP sizes see the same model and data), no evaluation."""
+    flags = [
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--num-attention-heads", str(heads), "--seq-length", str(seq),
+        "--max-position-embeddings", str(seq), "--micro-batch-size", str(micro_batch),
+        "--global-batch-size", str(global_batch), "--train-iters", str(iters),
+        "--lr", str(lr), "--min-lr", str(lr), "--lr-decay-style", "constant", "--seed", str(seed),
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
+        "--distributed-backend", "gloo", "--use-cpu-initialization", "--bf16",
+        "--transformer-impl", "local",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+        "--no-persist-layer-norm",
+        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10 * iters + 1000),
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+    ]
+    if layers_per_virtual_stage is not None:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_virtual_stage)]
+    if sequence_parallel:
+        flags.append("--sequence-parallel")
+    return flags + list(extra)
+
+
+@dataclasses.dataclass
+class Run:
+    command: List[str]
+    returncode: int
+    log: str  # stdout and stderr of every rank, as torchrun prints them
+    seconds: float
+    timed_out: bool = False
+
+    @property
+    def losses(self) -> Dict[int, str]:
+        """``{iteration: "lm loss" as printed}`` (strings: compare them exactly, parse to compare)."""
+        return {int(i): loss for i, loss in _LOSS_LINE.findall(self.log)}
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.log[-chars:]
+
+
+def launch_env(megapatch_env: Mapping[str, str], base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The environment of a run: ``base`` (default: this process's) without any ``MEGAPATCH_*``,
+    plus ``megapatch_env`` and what a GPU launch sets too (``CUDA_DEVICE_MAX_CONNECTIONS=1`` for
+    TP > 1); ``python3``/``python3-config`` on PATH are this interpreter's (Megatron-LM's
+    dataset-helper Makefile calls them)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith("MEGAPATCH_")}
+    env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    bindirs = [os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or ""]
+    env["PATH"] = os.pathsep.join([d for d in bindirs if d] + [env.get("PATH", "")])
+    env.update(megapatch_env)
+    return env
+
+
+def launch(checkout: Path, flags: Sequence[str], *, nproc: int = 1,
+           megapatch_env: Optional[Mapping[str, str]] = None,
+           entry: Optional[Sequence[str]] = None, timeout: float = 600.0,
+           extra_env: Optional[Mapping[str, str]] = None, script: str = "pretrain_gpt.py") -> Run:
+    """``torchrun --standalone --nproc-per-node N <entry> <script> <flags>`` from the checkout root.
+
+    ``entry`` defaults to ``-m megapatch.testing.cpu_launch`` with this interpreter; a test may
+    pass another (e.g. ``["--no-python", "sh", "wrapper.sh"]``). The whole process group is
+    killed at ``timeout``."""
+    env = launch_env(dict(megapatch_env or {}))
+    env.update(extra_env or {})
+    entry = list(entry) if entry is not None else ["-m", "megapatch.testing.cpu_launch"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), *entry, script, *flags]
+    start = time.monotonic()
+    process = subprocess.Popen(command, cwd=str(checkout), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timed_out = False
+    try:
+        log, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+    return Run(command, process.returncode, log, time.monotonic() - start, timed_out)
+
+
+def mean_abs_difference(a: Mapping[int, str], b: Mapping[int, str]) -> float:
+    """Mean |loss_a - loss_b| over the iterations both runs printed."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise ValueError("the runs have no iteration in common")
+    return sum(abs(float(a[i]) - float(b[i])) for i in common) / len(common)

@@ -1,0 +1,165 @@
+"""Megatron-LM's own ``pretrain_gpt.py``, unmodified, on CPU ranks under
+``torchrun -m megapatch.testing.cpu_launch``, megapatch switched on by ``MEGAPATCH_*`` only.
+
+Sources: the pinned tarballs in ``<repo>/../shared/megatron-lm/`` (or ``$MEGATRON_LM_TARBALLS``),
+unpacked once per session, or a user's checkout in ``$MEGATRON_LM_DIR``. The runs go through
+``tests/scripts/megatron_lm_probe.py``, which records the dtype of the logits reaching megatron's
+cross entropy and a hash of the per-token losses.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from megapatch.testing import megatron_lm_runs as mlm
+
+TARBALL_DIR = Path(os.environ.get("MEGATRON_LM_TARBALLS",
+                                  Path(REPO).parent / "shared" / "megatron-lm"))
+PROBE = str(Path(REPO) / "tests" / "scripts" / "megatron_lm_probe.py")
+REVISIONS = ["user-checkout"] if os.environ.get(mlm.USER_CHECKOUT_ENV) else list(mlm.TARBALLS)
+TIMEOUT = 420
+
+_runs = {}  # (revision, label) -> (Run, probe records by rank): runs shared between tests
+
+
+@pytest.fixture(scope="session")
+def _checkouts():
+    return {}
+
+
+@pytest.fixture(scope="session")
+def _probe_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("megatron-lm-probes")
+
+
+@pytest.fixture(params=REVISIONS)
+def checkout(request, _checkouts, _probe_root, tmp_path_factory):
+    name = request.param
+    missing = mlm.missing_training_modules()
+    if missing:
+        pytest.skip(f"Megatron-LM's pretrain_gpt.py needs {', '.join(missing)} (pip install them)")
+    if name == "user-checkout":
+        path = Path(os.environ[mlm.USER_CHECKOUT_ENV])
+        if not (path / "pretrain_gpt.py").is_file():
+            pytest.skip(f"{mlm.USER_CHECKOUT_ENV}={path} has no pretrain_gpt.py")
+        return name, path, _probe_root
+    too_old = mlm.python_too_old(name)
+    if too_old:
+        pytest.skip(too_old)
+    tarball = TARBALL_DIR / mlm.TARBALLS[name]
+    if not tarball.is_file():
+        pytest.skip(f"no Megatron-LM source: {tarball} is absent and {mlm.USER_CHECKOUT_ENV} is unset")
+    if name not in _checkouts:
+        _checkouts[name] = mlm.unpack(tarball, tmp_path_factory.mktemp(f"megatron-lm-{name}"))
+    return name, _checkouts[name], _probe_root
+
+
+def _run(checkout, label, flags, *, nproc, megapatch_env=None, entry=None, timeout=TIMEOUT):
+    """One torchrun job through the probe (cached per revision and label); asserts it trained."""
+    name, path, probe_root = checkout
+    key = (name, label)
+    if key not in _runs:
+        probe_dir = probe_root / name / label
+        probe_dir.mkdir(parents=True)
+        run = mlm.launch(path, flags, nproc=nproc, megapatch_env=megapatch_env or {},
+                         entry=entry or [PROBE], timeout=timeout,
+                         extra_env={"MEGATRON_LM_PROBE_DIR": str(probe_dir)})
+        probes = {int(p.stem[4:]): [json.loads(line) for line in p.read_text().splitlines()]
+                  for p in probe_dir.glob("rank*.jsonl")}
+        _runs[key] = (run, probes)
+    return _runs[key]
+
+
+def _trained(run, iters):
+    assert run.returncode == 0, f"{' '.join(run.command)}\n{run.tail()}"
+    assert sorted(run.losses) == list(range(1, iters + 1)), run.tail()
+    return run.losses
+
+
+ITERS = 4
+TP_FLAGS = dict(iters=ITERS, hidden=64, layers=2, vocab=256, lr=3e-3)
+
+
+def _tp_run(checkout, tp, mode):
+    env = {} if mode == "native" else {"MEGAPATCH_TP_REDUCE_DTYPE": mode}
+    run, probes = _run(checkout, f"tp{tp}-{mode}", mlm.tiny_gpt_flags(tp=tp, **TP_FLAGS),
+                       nproc=tp, megapatch_env=env)
+    return run, probes
+
+
+@pytest.mark.slow
+def test_fp32_tp_reductions_bring_tp2_losses_to_tp1(checkout):
+    tp1, _ = _tp_run(checkout, 1, "native")
+    native, _ = _tp_run(checkout, 2, "native")
+    fp32, _ = _tp_run(checkout, 2, "fp32")
+    reference = _trained(tp1, ITERS)
+    drift_native = mlm.mean_abs_difference(_trained(native, ITERS), reference)
+    drift_fp32 = mlm.mean_abs_difference(_trained(fp32, ITERS), reference)
+    assert "megapatch enabled" not in native.log  # no MEGAPATCH_* variable: megapatch not loaded
+    assert "tp_reduce_dtype=fp32 (env MEGAPATCH_TP_REDUCE_DTYPE)" in fp32.log, fp32.tail()
+    assert drift_native > 0, "native TP=2 printed TP=1's losses: the comparison cannot tell"
+    assert drift_fp32 < drift_native, (reference, native.losses, fp32.losses)
+
+
+def test_fp32_logits_reach_megatron_lm_loss(checkout):
+    """Megatron-LM's loss is computed on FP32 logits with MEGAPATCH_LOGITS_DTYPE=fp32 (TP=2), on
+    BF16 logits without it; the job log names the path that produced them."""
+    fp32, fp32_probes = _run(checkout, "tp2-logits-fp32", mlm.tiny_gpt_flags(tp=2, **TP_FLAGS),
+                             nproc=2, megapatch_env={"MEGAPATCH_LOGITS_DTYPE": "fp32"})
+    native, native_probes = _tp_run(checkout, 2, "native")
+    _trained(fp32, ITERS)
+    _trained(native, ITERS)
+    calls = ITERS * 2  # iterations x microbatches (global batch 4 / micro batch 2), per rank
+    for probes, dtype in ((fp32_probes, "torch.float32"), (native_probes, "torch.bfloat16")):
+        assert sorted(probes) == [0, 1]
+        for rank, records in probes.items():
+            assert [r["dtype"] for r in records] == [dtype] * calls, (rank, records)
+    assert "logits_dtype=fp32 (env MEGAPATCH_LOGITS_DTYPE)" in fp32.log, fp32.tail()
+    # which path produced them: on CPU megapatch's own FP32-output GEMM, also where megatron-core
+    # has PR #6252's output_dtype (main), whose TE general_gemm cannot run here
+    assert "megapatch logits.fp32_lm_head: FP32 logits via megapatch FP32-output GEMM" in fp32.log, \
+        fp32.tail()
+
+
+@pytest.mark.slow
+def test_fp8_alignment_with_interleaved_pipeline_is_bit_identical(checkout):
+    """PP=2 with virtual stages, distributed optimizer, overlapped param gather / grad reduce:
+    MEGAPATCH_ALIGN_FP8_TRANSPOSES=1 says what it did and changes no bit of the losses."""
+    flags = mlm.tiny_gpt_flags(tp=1, pp=2, layers=4, layers_per_virtual_stage=1, iters=3,
+                               global_batch=8, extra=["--use-distributed-optimizer",
+                                                      "--overlap-param-gather",
+                                                      "--overlap-grad-reduce"])
+    off, off_probes = _run(checkout, "pp2-vpp-align-off", flags, nproc=2)
+    on, on_probes = _run(checkout, "pp2-vpp-align-on", flags, nproc=2,
+                         megapatch_env={"MEGAPATCH_ALIGN_FP8_TRANSPOSES": "1"})
+    assert _trained(on, 3) == _trained(off, 3)
+    last_stage = 1
+    assert len(off_probes[last_stage]) == 3 * 4  # iterations x microbatches on the last stage
+    assert on_probes[last_stage] == off_probes[last_stage]  # per-token losses, bit for bit
+    assert "align_fp8_transposes=True (env MEGAPATCH_ALIGN_FP8_TRANSPOSES)" in on.log, on.tail()
+    assert "fp8.align_transposes" in on.log, on.tail()  # active, or passed through with its reason
+
+
+def test_mismatched_rank_stops_with_cross_rank_error(checkout, tmp_path):
+    """Rank 1 launched with a different MEGAPATCH_TP_REDUCE_DTYPE: the job stops with megapatch's
+    cross-rank error, well before the check timeout, instead of hanging or training."""
+    wrapper = tmp_path / "one_rank_differs.sh"
+    wrapper.write_text(
+        '#!/bin/sh\n'
+        'if [ "$LOCAL_RANK" = "1" ]; then export MEGAPATCH_TP_REDUCE_DTYPE=native; fi\n'
+        f'exec "{sys.executable}" -m megapatch.testing.cpu_launch "$@"\n')
+    start = time.monotonic()
+    run, _ = _run(checkout, "tp2-mismatch", mlm.tiny_gpt_flags(tp=2, iters=2), nproc=2,
+                  megapatch_env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "60"},
+                  entry=["--no-python", "sh", str(wrapper)], timeout=240)
+    assert not run.timed_out, run.tail()
+    assert run.returncode != 0, run.tail()
+    assert "CrossRankMismatchError" in run.log, run.tail()
+    assert "tp_reduce_dtype=native (this rank: fp32)" in run.log, run.tail()
+    assert not run.losses, "a mismatched job trained"
+    assert time.monotonic() - start < 200
