@@ -35,7 +35,7 @@ class _Trigger:
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in TRIGGERS and _disarm(self):
-            _arm()
+            arm()
         return None
 
     def find_module(self, fullname, path=None):  # pre-3.4 protocol, for very old import tools
@@ -49,7 +49,7 @@ def activate_from_environment() -> None:
     if any(getattr(finder, "megapatch_trigger", False) for finder in sys.meta_path) or _armed:
         return
     if any(name in sys.modules for name in TRIGGERS):  # imported before the hook ran (rare)
-        _arm()
+        arm()
         return
     sys.meta_path.insert(0, _Trigger())
 
@@ -69,7 +69,7 @@ def _requested_variables() -> str:
     return ", ".join(f"{k}={v[:40]!r}" for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIX))
 
 
-def _arm() -> None:
+def arm() -> None:
     """Read the options (cheap) and register the activation hooks (imports the engine and wrapt)."""
     global _armed
     if _armed:

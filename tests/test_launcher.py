@@ -15,11 +15,11 @@ from megapatch import options, run
 from conftest import REPO
 
 
-def _launch(args, env_extra=None, timeout=180):
+def _launch(args, env_extra=None, timeout=180, cwd=REPO):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
     env["PYTHONWARNINGS"] = "ignore"
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "megapatch.run", *args], env=env, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "megapatch.run", *args], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -114,3 +114,34 @@ def test_chains_to_the_users_sitecustomize(tmp_path):
         ran, module, triggers = result.stdout.split()
         assert ran == "ran" and module == str(user / "sitecustomize.py")
         assert triggers == ("1" if flags else "0")
+
+
+def test_megapatch_importable_only_later_activates_then_or_refuses(tmp_path):
+    """A zipapp (or a script's directory) joins sys.path after start-up: the launcher's hook
+    retries when megatron is looked up, and refuses megatron if megapatch is still missing."""
+    hidden = tmp_path / "hidden"
+    (hidden / "megapatch").mkdir(parents=True)
+    (hidden / "megapatch" / "__init__.py").write_text("raise ImportError('not importable yet')\n")
+    later = tmp_path / "later.py"
+    later.write_text(textwrap.dedent(f"""
+        import sys
+        print("DEFERRED", [type(f).__name__ for f in sys.meta_path].count("_Deferred"))
+        sys.path.remove({str(hidden)!r})
+        for name in [n for n in sys.modules if n.startswith("megapatch")]:
+            del sys.modules[name]
+        import megatron.core, megapatch
+        print("ACTIVE", ",".join(megapatch.status().active))
+    """))
+    never = tmp_path / "never.py"
+    never.write_text("import megatron.core\nprint('trained unpatched')\n")
+
+    def launch(script):  # the launcher sees megapatch; the command's Python does not, at first
+        shell = f'PYTHONPATH="{hidden}:$PYTHONPATH" exec "{sys.executable}" "{script}"'
+        return _launch(["--tp-reduce-dtype", "fp32", "--", "sh", "-c", shell], cwd=str(tmp_path))
+
+    result = launch(later)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DEFERRED 1" in result.stdout and "tp_reduce.megatron_core" in result.stdout
+    refused = launch(never)
+    assert refused.returncode != 0 and "trained unpatched" not in refused.stdout
+    assert "cannot import megapatch" in refused.stderr and "MEGAPATCH_TP_REDUCE_DTYPE" in refused.stderr

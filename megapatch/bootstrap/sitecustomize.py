@@ -11,27 +11,39 @@ import os
 import sys
 
 
+TRIGGERS = ("megatron", "transformer_engine")
+
+
 def _arm() -> None:
     try:
         from megapatch import _bootstrap
     except ImportError:
-        # this Python cannot import megapatch (another interpreter, or its install dir is not on
-        # PYTHONPATH): refuse its megatron import instead of training unpatched.
-        sys.meta_path.insert(0, _NotImportable())
+        sys.meta_path.insert(0, _Deferred())
         return
     _bootstrap.activate_from_environment()
 
 
-class _NotImportable:
+class _Deferred:
+    """megapatch is not importable yet at start (a zipapp or a script directory joins sys.path
+    only after ``site`` ran): try again when megatron is looked up, and refuse the import if this
+    Python still cannot import megapatch, instead of letting it train unpatched."""
+
     megapatch_trigger = True
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in ("megatron", "transformer_engine") and any(
-                k.startswith("MEGAPATCH_") and k != "MEGAPATCH_DISABLE" for k in os.environ):
+        if fullname not in TRIGGERS or self not in sys.meta_path:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            from megapatch import _bootstrap
+        except ImportError as exc:
+            sys.meta_path.insert(0, self)
+            requested = ", ".join(k for k in sorted(os.environ) if k.startswith("MEGAPATCH_"))
             raise ImportError(
-                f"megapatch-run: this Python ({sys.executable}) cannot import megapatch, so the "
-                f"requested MEGAPATCH_* settings cannot apply; put the directory megapatch is "
-                f"installed in on PYTHONPATH, or run without megapatch-run")
+                f"megapatch-run: this Python ({sys.executable}) cannot import megapatch ({exc}), "
+                f"so {requested} cannot apply; put the directory megapatch is installed in on "
+                f"PYTHONPATH, or run without megapatch-run and those variables") from exc
+        _bootstrap.arm()
         return None
 
 
