@@ -103,6 +103,10 @@ def invariant_sum(partials: Sequence[torch.Tensor], group,
     recv = torch.empty_like(send)
     c10d.all_to_all_single(recv, send, group=group)  # row i: peer i's roots for my slice
     mine = tree_sum(recv.view(t, -1).unbind(0)).to(out_dtype)
+    if pad == 0:  # gathered straight into a tensor of the result's shape (not a view)
+        out = torch.empty(root.shape, dtype=out_dtype, device=root.device)
+        _all_gather_single(out.view(-1), mine, group=group)
+        return out
     out = torch.empty(t * mine.numel(), dtype=out_dtype, device=root.device)
     _all_gather_single(out, mine, group=group)
     return out[: flat.numel()].view_as(root)
@@ -115,6 +119,12 @@ _all_gather_single = getattr(c10d, "all_gather_single", None) or c10d.all_gather
 def _slices(size: int, nb: int) -> List[slice]:
     step = size // nb
     return [slice(i * step, (i + 1) * step) for i in range(nb)]
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy if it is a view: megatron's cross entropy modifies FP32 logits in place,
+    which autograd forbids on a view returned by a custom Function."""
+    return t if t._base is None else t.clone()
 
 
 class ColumnParallel(torch.autograd.Function):
@@ -134,9 +144,8 @@ class ColumnParallel(torch.autograd.Function):
             out = x2 @ f32(weight[sl]).t()
             if bias is not None:
                 out = out + f32(bias[sl])
-            outs.append(out)
-        out = torch.cat(outs, dim=-1).to(out_dtype or x.dtype)
-        return out.view(*x.shape[:-1], weight.shape[0])
+            outs.append(out.view(*x.shape[:-1], out.shape[-1]))
+        return _owned(torch.cat(outs, dim=-1).to(out_dtype or x.dtype))
 
     @staticmethod
     def backward(ctx, grad):
@@ -175,9 +184,9 @@ class RowParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.nb = nb
         x2 = x.reshape(-1, x.shape[-1])
-        partials = [f32(x2[:, sl]) @ f32(weight[:, sl]).t() for sl in _slices(weight.shape[1], nb)]
-        out = invariant_sum(partials, group, x.dtype)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        partials = [(f32(x2[:, sl]) @ f32(weight[:, sl]).t()).view(*x.shape[:-1], weight.shape[0])
+                    for sl in _slices(weight.shape[1], nb)]
+        return _owned(invariant_sum(partials, group, x.dtype))
 
     @staticmethod
     def backward(ctx, grad):

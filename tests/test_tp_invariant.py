@@ -19,9 +19,11 @@ PRECONDITION_TPS = (1, 4, 8)
 CLIP = 0.05  # below every step's grad norm here: clipping scales every step
 MODELS = {
     "tiny": dict(config=dict(num_attention_heads=8), vocab=128, seq=16),
-    # hidden 96 (head dim 12), FFN 160, vocab 200: 25 vocab entries per rank at TP 8
-    "odd": dict(config=dict(hidden_size=96, num_attention_heads=8, ffn_hidden_size=160), vocab=200,
-                seq=12),
+    # hidden 96 (head dim 12), FFN 168, vocab 200: 25 vocab entries and 21 FFN features per rank at
+    # TP 8; 13 tokens, so no shard is a multiple of a SIMD width and elementwise kernels run their
+    # scalar tails on different elements at each TP size
+    "odd": dict(config=dict(hidden_size=96, num_attention_heads=8, ffn_hidden_size=168), vocab=200,
+                seq=13, batch=1),
 }
 
 
@@ -35,7 +37,8 @@ def _model(ctx, shape, **overrides):
 def _batch(shape, step):
     from megapatch.testing import make_batch
 
-    return make_batch(seed=5 + step, batch=2, seq_len=shape["seq"], vocab=shape["vocab"])
+    return make_batch(seed=5 + step, batch=shape.get("batch", 2), seq_len=shape["seq"],
+                      vocab=shape["vocab"])
 
 
 def _forward_backward(ctx, model, shape):
