@@ -6,8 +6,9 @@ A GPT (2 layers, hidden 256, 8 heads, FFN 1024, vocab 1024, BF16; 4 x 64 tokens)
 megatron-core's BF16 optimizer (AdamW, clipping on) on ``max(tp)`` gloo ranks; at each TP size the
 three modes run interleaved, one full step each (forward, backward, optimizer step), repeated; the
 first round warms up. Reported per TP size: each mode's median step time divided by native's, and
-the peak resident memory a step adds above the rank's resident memory before it (sampled every
-0.5 ms by a thread reading /proc/self/statm; median over steps), divided by native's. At TP sizes
+the peak heap memory one more step adds above what was in use before it (glibc ``mallinfo2``
+read after every aten op of the step by a dispatch mode: activations, gradients, FP32 block
+copies, collective buffers), divided by native's. At TP sizes
 below the rank count the other ranks are data-parallel replicas doing the same work on the same
 2 cores, so absolute times are noise; the ratios within one TP size are what this reports.
 """
@@ -15,12 +16,12 @@ below the rank count the other ranks are data-parallel replicas doing the same w
 from __future__ import annotations
 
 import argparse
-import os
+import ctypes
 import statistics
-import threading
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MODES = ("native", "fp32", "tp-invariant")
 SHAPE = dict(hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024)
@@ -31,40 +32,53 @@ def _options(mode):
     return {"tp_invariant": True} if mode == "tp-invariant" else {"tp_reduce_dtype": mode}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
 
 
-class _PeakRss:
-    """Peak resident memory while the block runs, sampled by a thread."""
+_libc = ctypes.CDLL(None)
+_libc.mallinfo2.restype = _Mallinfo2
+
+
+def _heap_in_use() -> int:
+    """Bytes glibc malloc has handed out and not taken back (torch's CPU tensors, gloo buffers)."""
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class _PeakHeap(TorchDispatchMode):
+    """The most heap in use after any op while the block runs, above what was in use before."""
 
     def __enter__(self):
-        self.base = self.peak = _rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
+        self.base = self.peak = _heap_in_use()
+        return super().__enter__()
 
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(0.0005)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _heap_in_use())
+        return out
 
     @property
     def added(self) -> int:
         return self.peak - self.base
 
 
+def _step(model, optimizer, batch):
+    from megapatch.testing.tiny_gpt import cuda_type_names
+
+    optimizer.zero_grad()
+    loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    loss.float().mean().backward()
+    with cuda_type_names():
+        optimizer.step()
+
+
 def _job(ctx, tps, reps):
     import megapatch
     from megapatch.testing import build_tiny_gpt, make_batch, reinit_model_parallel, tiny_gpt_config
-    from megapatch.testing.tiny_gpt import build_bf16_optimizer, cuda_type_names
+    from megapatch.testing.tiny_gpt import build_bf16_optimizer
 
     batch = make_batch(seed=5, batch=BATCH, seq_len=SEQ, vocab=VOCAB)
     results = {}
@@ -77,26 +91,25 @@ def _job(ctx, tps, reps):
             runs[mode] = (model, build_bf16_optimizer(model, clip_grad=1.0))
             megapatch.disable()
         times = {m: [] for m in MODES}
-        memory = {m: [] for m in MODES}
         for i in range(reps + 1):
             for mode in MODES:
-                model, optimizer = runs[mode]
                 megapatch.enable(**_options(mode))
                 torch.distributed.barrier()
-                with _PeakRss() as rss:
-                    start = time.perf_counter()
-                    optimizer.zero_grad()
-                    loss = model(batch.tokens, batch.position_ids, batch.attention_mask,
-                                 labels=batch.labels)
-                    loss.float().mean().backward()
-                    with cuda_type_names():
-                        optimizer.step()
-                    elapsed = time.perf_counter() - start
+                start = time.perf_counter()
+                _step(*runs[mode], batch)
+                elapsed = time.perf_counter() - start
                 megapatch.disable()
-                if i:
+                if i:  # the first round warms up
                     times[mode].append(elapsed)
-                    memory[mode].append(rss.added)
-        results[tp] = {m: (statistics.median(times[m]), statistics.median(memory[m])) for m in MODES}
+        memory = {}
+        for mode in MODES:  # one more step per mode, under the heap tracker
+            megapatch.enable(**_options(mode))
+            torch.distributed.barrier()
+            with _PeakHeap() as heap:
+                _step(*runs[mode], batch)
+            megapatch.disable()
+            memory[mode] = heap.added
+        results[tp] = {m: (statistics.median(times[m]), memory[m]) for m in MODES}
     return results if ctx.rank == 0 else None
 
 
