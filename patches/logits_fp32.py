@@ -7,12 +7,13 @@ runs upstream's linear autograd Function with an FP32 output (``megapatch.fp32_l
 out_dtype=torch.float32)`` on CUDA, FP32 copies of the BF16 operands on CPU. The backward is
 upstream's, after ``grad_output`` is cast to the input dtype -- the PR's contract.
 
-Where the installed megatron-core already has the PR (``ColumnParallelLinear.output_dtype``),
-the layer's own ``output_dtype`` is set to FP32 for the call -- when upstream's FP32-output GEMM
-(TE ``general_gemm``, megatron.core.extensions.transformer_engine.te_general_gemm) can run: TE
-importable and the layer on CUDA. Otherwise (no TE, CPU, ``--transformer-impl local`` without TE)
-upstream would raise, so megapatch's own FP32-output GEMM serves the layer as on older versions.
-The first FP32 call logs which path ran (logger ``"megapatch"``, rank 0).
+Where the installed megatron-core already has the PR (``ColumnParallelLinear.output_dtype``,
+Megatron-LM main), megapatch still computes the FP32 logits itself, with the same GEMM backend
+(TE ``general_gemm`` on CUDA where TE is there): upstream's ``_linear_forward`` returns its FP32
+output as a reshaped view created inside the autograd Function, which megatron's own
+vocab-parallel cross entropy modifies in place and autograd refuses; and without TE (CPU,
+``--transformer-impl local``) upstream raises. The layer's ``output_dtype`` is held at None for
+the call. The first FP32 call logs which path ran (logger ``"megapatch"``, rank 0).
 
 Every other ColumnParallelLinear (QKV, fc1, MoE, user layers) is untouched: only the instance that
 the running model calls ``output_layer`` is marked.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Optional
 
 import torch
 
@@ -52,29 +52,14 @@ def _device_type(layer) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _native_gemm_unavailable(device_type: str) -> Optional[str]:
-    """Why upstream's ``output_dtype`` GEMM (TE ``general_gemm``) cannot run here; None if it can."""
-    if device_type != "cuda":
-        return f"its TE general_gemm needs CUDA tensors, the output layer is on {device_type}"
-    try:
-        from megatron.core.extensions import transformer_engine as te_extension
-    except Exception as exc:  # noqa: BLE001 -- TE raises more than ImportError on broken installs
-        return f"megatron.core.extensions.transformer_engine does not import ({exc})"
-    if getattr(te_extension, "te_general_gemm", None) is None:
-        return "Transformer Engine's general_gemm is not available (TE absent or unusable)"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
 def _path(device_type: str, native_output_dtype: bool) -> str:
     """Which mechanism computes the FP32 logits (status backend and job-log line)."""
-    if not native_output_dtype:
-        return f"megapatch FP32-output GEMM ({fp32_gemm.backend(device_type)})"
-    reason = _native_gemm_unavailable(device_type)
-    if reason is None:
-        return "native ColumnParallelLinear.output_dtype (megatron-core has PR #6252; TE general_gemm)"
-    return (f"megapatch FP32-output GEMM ({fp32_gemm.backend(device_type)}) instead of megatron-core's "
-            f"native output_dtype: {reason}")
+    path = f"megapatch FP32-output GEMM ({fp32_gemm.backend(device_type)})"
+    if native_output_dtype:
+        path += (", not megatron-core's own output_dtype (PR #6252): its FP32 output is a view that "
+                 "megatron's cross entropy modifies in place, which autograd refuses (and without "
+                 "TE it raises)")
+    return path
 
 
 def _say_path(path: str) -> None:
@@ -89,23 +74,19 @@ def lm_head(layer):
         yield
         return
     _refuse_unsupported(layer)
-    device_type = _device_type(layer)
     native = _native_output_dtype(layer)
-    _say_path(_path(device_type, native))
-    if native and _native_gemm_unavailable(device_type) is None:
-        previous = layer.output_dtype
-        layer.output_dtype = torch.float32
-        try:
-            yield
-        finally:
-            layer.output_dtype = previous
-        return
+    _say_path(_path(_device_type(layer), native))
+    previous = layer.output_dtype if native else None
+    if native:  # upstream computes the plain GEMM; megapatch's FP32OutputLinear takes it from there
+        layer.output_dtype = None
     marker = _Marked(layer)
     token = _lm_head.set(marker)
     try:
         yield
     finally:
         _lm_head.reset(token)
+        if native:
+            layer.output_dtype = previous
     if marker.calls == 0 and getattr(layer, "_megapatch_expect_call", True):
         raise UpstreamSurfaceError(
             f"megapatch logits_dtype='fp32': the model ran without calling its output layer "

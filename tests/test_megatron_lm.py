@@ -124,6 +124,8 @@ def test_fp32_logits_reach_megatron_lm_loss(checkout):
     # has PR #6252's output_dtype (main), whose TE general_gemm cannot run here
     assert "megapatch logits.fp32_lm_head: FP32 logits via megapatch FP32-output GEMM" in fp32.log, \
         fp32.tail()
+    if checkout[0].startswith("main"):  # has PR #6252's output_dtype: bypassed, and the log says so
+        assert "not megatron-core's own output_dtype (PR #6252)" in fp32.log, fp32.tail()
 
 
 @pytest.mark.slow
