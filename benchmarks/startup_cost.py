@@ -4,19 +4,24 @@
     same command with no variable (goal: within 2 ms CPU). For context, a third row imports the
     engine eagerly, as the startup hook did before it deferred its imports.
 (b) The TE wiring verdict the TE patch's probe needs (``megapatch.te_verdict.installed_problem``)
-    in a fresh process that has megapatch's engine loaded, as a rank has when the probe runs: the first process of a TE installation runs the static check over TE's
-    sources and stores the verdict; every later process (every rank, every job) reads it (goal:
-    under 100 ms per rank). TE's sources come from the ``transformer-engine`` py3-none-any wheel
+    in a fresh process that has megapatch's engine loaded, as a rank has when the probe runs:
+    the first process of a TE installation runs the static check over TE's sources and stores
+    the verdict; every later process (every rank, every job) reads it (goal: under 100 ms per
+    rank). TE's sources come from the ``transformer-engine`` py3-none-any wheel
     of ``--te-version`` (downloaded into the static check's wheel cache when missing), extracted
     and put on ``PYTHONPATH`` -- the probe locates TE with ``find_spec`` and never imports it.
 (c) ``import megatron.core`` with ``MEGAPATCH_TP_REDUCE_DTYPE=fp32`` against no variable: what
     activation (engine import, patch discovery, surface checks, wrapping) costs a rank.
+(d) with ``--te-python``: ``enable(tp_reduce_dtype="fp32")`` + the first ``import
+    transformer_engine.pytorch`` in a Python that has TE installed (the TE patch installs, its
+    probe runs), against the plain import: first process of the installation, then later ones.
 
 CPU time is user+system of the child (``resource.getrusage(RUSAGE_CHILDREN)`` deltas), medians
 over runs that alternate between the rows. Run it in the environment megapatch is pip-installed
 in (its ``.pth`` must be there)::
 
     python benchmarks/startup_cost.py [--runs 200] [--import-runs 7] [--te-version 2.20.2]
+        [--te-python <venv with TE>/bin/python]
 """
 
 from __future__ import annotations
@@ -127,12 +132,59 @@ def activation(runs, cwd):
     return table(alternate(rows, runs, cwd), rows[0][0])
 
 
+TE_IMPORT = """
+import os, sys, time
+import torch  # TE needs torch first
+t0 = time.process_time()
+if os.environ.get("BENCH_ENABLE"):
+    import megapatch
+    megapatch.enable(tp_reduce_dtype="fp32")
+import transformer_engine.pytorch
+ms = 1000 * (time.process_time() - t0)
+if os.environ.get("BENCH_ENABLE"):
+    assert "tp_reduce.transformer_engine" in megapatch.status().active, megapatch.status()
+print(f"{ms:.1f}")
+"""
+
+
+def te_enable_cost(te_python, runs, workdir):
+    """enable() + first import of transformer_engine.pytorch in a Python that has TE installed
+    (megapatch from this checkout on PYTHONPATH), against the same import without megapatch."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cache = tempfile.mkdtemp(prefix="cache-", dir=workdir)
+    env = {**CLEAN, "PYTHONPATH": repo, "XDG_CACHE_HOME": cache, "PYTHONWARNINGS": "ignore"}
+
+    def once(enable):
+        out = subprocess.run([te_python, "-c", TE_IMPORT], env={**env, **({"BENCH_ENABLE": "1"} if enable else {})},
+                             cwd=workdir, check=True, capture_output=True, text=True).stdout
+        return float(out.split()[-1])
+
+    once(False)  # warm-up: page cache, bytecode
+    first = once(True)
+    native, enabled = [], []
+    for _ in range(runs):
+        native.append(once(False))
+        enabled.append(once(True))
+    base = statistics.median(native)
+    return "\n".join([
+        "| `import transformer_engine.pytorch` (after `import torch`), fresh process | CPU ms | vs native |",
+        "|---|---|---|",
+        f"| native (median of {runs}) | {base:.1f} | +0.0 |",
+        f"| `enable(tp_reduce_dtype='fp32')` first, first process of the TE installation | {first:.1f} | "
+        f"{first - base:+.1f} |",
+        f"| `enable(tp_reduce_dtype='fp32')` first, every later process (median of {runs}) | "
+        f"{statistics.median(enabled):.1f} | {statistics.median(enabled) - base:+.1f} |",
+    ])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="rounds of (a)")
     parser.add_argument("--import-runs", type=int, default=7, help="rounds of (c); 0 skips it")
     parser.add_argument("--te-version", default="2.20.2", help="TE release for (b); '' skips it")
     parser.add_argument("--te-runs", type=int, default=10)
+    parser.add_argument("--te-python", default=None,
+                        help="a Python with TE installed, for (d): enable() + first TE import")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(sysconfig.get_paths()["purelib"], "megapatch-startup.pth")):
         sys.exit("megapatch's startup .pth is not installed in this environment: pip install it first")
@@ -143,6 +195,9 @@ def main() -> int:
         if args.te_version:
             print(f"(b) TE {args.te_version} wiring verdict\n\n"
                   f"{te_verdict_cost(args.te_version, workdir, args.te_runs)}\n")
+        if args.te_python:
+            print(f"(d) enable() + first TE import\n\n"
+                  f"{te_enable_cost(args.te_python, args.te_runs, workdir)}\n")
         if args.import_runs:
             print(f"(c) activation at import, {args.import_runs} rounds\n\n{activation(args.import_runs, workdir)}\n")
     return 0
