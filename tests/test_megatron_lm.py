@@ -9,6 +9,7 @@ cross entropy and a hash of the per-token losses.
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -165,3 +166,35 @@ def test_mismatched_rank_stops_with_cross_rank_error(checkout, tmp_path):
     assert "tp_reduce_dtype=native (this rank: fp32)" in run.log, run.tail()
     assert not run.losses, "a mismatched job trained"
     assert time.monotonic() - start < 200
+
+
+@pytest.fixture(scope="session")
+def pr6252_core(_checkouts, tmp_path_factory):
+    """A checkout whose megatron-core has PR #6252's output_dtype (Megatron-LM main); its
+    megatron/core imports on the Python megatron-core supports (only megatron/training needs 3.12)."""
+    name = "main-d98e8a64"
+    tarball = TARBALL_DIR / mlm.TARBALLS[name]
+    if not tarball.is_file():
+        pytest.skip(f"no Megatron-LM source with PR #6252: {tarball} is absent")
+    if name not in _checkouts:
+        _checkouts[name] = mlm.unpack(tarball, tmp_path_factory.mktemp(f"megatron-lm-{name}"))
+    return _checkouts[name]
+
+
+def test_fp32_logits_bypass_upstream_output_dtype_view(pr6252_core):
+    """With a stand-in for TE's general_gemm, upstream's own FP32 output (PR #6252) is a view that
+    megatron's cross entropy cannot train on; megapatch's FP32 logits (layer built with or without
+    output_dtype) are exact, train, and leave the layer's output_dtype as it was."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(pr6252_core), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, str(Path(REPO) / "tests" / "scripts" / "megatron_lm_logits_view.py")],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=str(pr6252_core))
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    upstream = report["upstream_fp32"]
+    assert upstream["dtype"] == "torch.float32" and "is a view" in upstream["error"], upstream
+    for case, before in (("megapatch_default_layer", "None"), ("megapatch_fp32_layer", "torch.float32")):
+        got = report[case]
+        assert got == {"output_dtype_before": before, "dtype": "torch.float32", "exact": True,
+                       "trained": True, "output_dtype_after": before}, (case, got)
+    assert "not megatron-core's own output_dtype (PR #6252)" in report["backend"]
