@@ -75,6 +75,13 @@ def test_unknown_kill_switch_spelling_is_an_error(monkeypatch, value):
     assert mappings._reduce is ORIGINAL_REDUCE
 
 
+def test_resolve_refuses_a_bad_kill_switch_so_doctor_does_too():
+    with pytest.raises(OptionError, match="MEGAPATCH_DISABLE='y'"):
+        options.resolve({}, environ={"MEGAPATCH_DISABLE": "y", "MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
+    assert options.disabled({"MEGAPATCH_DISABLE": "off"}) is False
+    assert options.disabled({"MEGAPATCH_DISABLE": "On"}) is True
+
+
 @pytest.mark.parametrize("value", ["YES", " on ", "1"])
 def test_true_kill_switch_spellings_disable(monkeypatch, value):
     monkeypatch.setenv("MEGAPATCH_DISABLE", value)
@@ -279,16 +286,20 @@ def test_alias_held_in_main_is_rebound_and_restored():
 
 def test_torch_collective_alias_taken_while_enabled_is_restored_by_disable():
     megapatch.enable(tp_reduce_dtype="fp32")
-    holder = types.ModuleType("user_code_from_torch_distributed")
-    holder.all_reduce = torch.distributed.all_reduce  # `from torch.distributed import all_reduce`
-    sys.modules[holder.__name__] = holder
+    # `from torch.distributed import all_reduce` in user code and in a torch module imported late
+    holders = [types.ModuleType("user_code_from_torch_distributed"),
+               types.ModuleType("torch.distributed._imported_while_megapatch_was_on")]
+    for holder in holders:
+        holder.all_reduce = torch.distributed.all_reduce
+        sys.modules[holder.__name__] = holder
     try:
-        assert patching.is_megapatch_wrapper(holder.all_reduce)
+        assert all(patching.is_megapatch_wrapper(h.all_reduce) for h in holders)
         megapatch.disable()
-        assert holder.all_reduce is ORIGINAL_ALL_REDUCE
+        assert [h.all_reduce is ORIGINAL_ALL_REDUCE for h in holders] == [True, True]
         assert torch.distributed.all_reduce is ORIGINAL_ALL_REDUCE
     finally:
-        sys.modules.pop(holder.__name__, None)
+        for holder in holders:
+            sys.modules.pop(holder.__name__, None)
 
 
 def test_wrapped_functions_pickle_and_copy_like_stock():
