@@ -4,13 +4,16 @@ Every sum that tensor parallelism splits is computed as W fixed-shape blocks (W 
 ``tp_invariant_width``), each block's partial kept in FP32, and the W partials added in one fixed
 pairwise tree: adjacent pairs first, level by level. At TP size t a rank owns W/t consecutive
 blocks, which form a complete subtree of that tree (W/t is a power of two); it computes its
-subtree root locally, the roots are all-gathered in FP32 and every rank computes the top of the
-tree in the same order. The result is rounded once, to the activation dtype.
+subtree root locally; the FP32 roots are exchanged and the top of the tree is computed in the same
+order for every element (see ``invariant_sum``). The result is rounded once, to the activation
+dtype.
 
-Every GEMM or transcendental elementwise op on a TP-sharded tensor runs on W/t contiguous blocks
-of the same shape at every TP size, so the same kernel runs on the same data and gives the same
-bits: the block GEMMs run on fresh FP32 copies (exact products, FP32 accumulation), whose shape and
-alignment do not depend on the TP size either.
+Every GEMM on a TP-sharded tensor runs on W/t blocks of the same shape at every TP size, so the
+same kernel runs on the same data and gives the same bits: the block GEMMs run on fresh FP32
+copies (exact products, FP32 accumulation), whose shape and alignment do not depend on the TP size
+either. Elementwise ops (activations, softmax rows, Adam) are left alone: their result for an
+element does not depend on where it sits in the tensor (``tests/test_tp_invariant.py`` checks
+this for the activations on the installed torch).
 
 Only the TP size may change between runs that must agree; the batch, the width W and everything
 else must be the same.
@@ -18,7 +21,7 @@ else must be the same.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch.distributed import distributed_c10d as c10d
@@ -202,33 +205,6 @@ class RowParallel(torch.autograd.Function):
         dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
         wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype) if wgrads else None
         return dgrad, wgrad, None, None
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient, so that the elementwise backward
-    before it sees the same layout at every TP size."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-def blocked_elementwise(fn: Callable, x: torch.Tensor, nb: int) -> torch.Tensor:
-    """``fn`` applied to W/t contiguous blocks of the last dim of a TP-sharded ``x``.
-
-    CPU (and GPU) elementwise kernels run a vector body and a scalar tail whose transcendental
-    functions may round differently; on equal-shaped contiguous blocks every element lands in the
-    same place at every TP size, forward and backward."""
-    step = x.shape[-1] // nb
-    if nb == 1 and x.is_contiguous():
-        return _ContiguousGrad.apply(fn(x))
-    outs = [_ContiguousGrad.apply(fn(x[..., i * step:(i + 1) * step].contiguous()))
-            for i in range(nb)]
-    return torch.cat(outs, dim=-1)
 
 
 def sum_exp_partials(exp_logits: torch.Tensor, nb: int) -> List[torch.Tensor]:

@@ -11,15 +11,15 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   goes through the fixed tree. Its result is handed to upstream's all-reduce on TP rank 0 only
   (zeros elsewhere): a sum of one value and zeros is exact, so upstream's reduction keeps the bits.
   The logits max and the target-logit sum (one non-zero per token) are exact in any order.
-* ``MLP.forward``: the activation (and its backward) runs on equal-shaped blocks of the FFN shard,
-  since elementwise kernels round differently in their vector body and scalar tail.
+* ``MLP.forward``: only refusals (Transformer Engine layers and activations, fused
+  bias-activation, gated linear units); the activation is elementwise and position-independent.
 * ``get_grad_norm_fp32`` (inside an optimizer's ``get_grad_norm``/``clip_grad_norm``): the sum of
   squared gradients per parameter goes through the fixed tree along its partition dim, parameters
   added in their fixed order.
 
 Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
 all-gathers, layer norms and replicated parameters' gradients (same full tensors on every rank),
-core attention (per head), the loss average, Adam (elementwise).
+core attention (per head), the MLP activation, the loss average, Adam (elementwise).
 
 Refused in this mode (with the reason): sequence parallelism, Transformer Engine modules, fused
 bias-activation, gated linear units, gradient-accumulation fusion, deferred embedding wgrad,
@@ -33,7 +33,7 @@ import contextvars
 
 import torch
 
-from megapatch import fp32_linear, state
+from megapatch import fp32_linear
 from megapatch import tp_invariant as tpi
 from megapatch.args import argument
 from megapatch.errors import OptionError, UnsupportedConfigurationError
@@ -163,18 +163,12 @@ def _mlp_forward(wrapped, instance, args, kwargs):
     if getattr(config, "use_te_activation_func", False):
         _refuse("use_te_activation_func", "Transformer Engine kernels choose their blocking by shape")
     if config.bias_activation_fusion:
-        _refuse("bias_activation_fusion", "the fused kernels run on the whole TP shard")
+        _refuse("bias_activation_fusion", "the fused kernels are not verified for this mode yet")
     if config.gated_linear_unit:
-        _refuse("gated_linear_unit", "not implemented for this mode yet")
-    _refuse_te(instance.linear_fc1)
-    group = _tp_group(instance.linear_fc1)
-    nb = tpi.blocks_per_rank(group)
-    activation = instance.activation_func
-    instance.activation_func = lambda x: tpi.blocked_elementwise(activation, x, nb)
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        instance.activation_func = activation
+        _refuse("gated_linear_unit", "not verified for this mode yet")
+    for layer in (instance.linear_fc1, instance.linear_fc2):
+        _refuse_te(layer)
+    return wrapped(*args, **kwargs)
 
 
 # -- gradient norm -------------------------------------------------------------------------------
@@ -248,7 +242,7 @@ PATCHES = (
     Patch(
         name="tp_invariant.mlp",
         option="tp_invariant",
-        summary="TP-invariant MLP activation (equal-shaped blocks of the FFN shard)",
+        summary="refuses MLP configurations tp_invariant does not cover (TE, fused, GLU)",
         hook=MLP,
         applies=_applies,
         targets=(Target(MLP, "MLP.forward", _mlp_forward, kind="method", params=("self", "hidden_states")),),
