@@ -332,7 +332,7 @@ def _report(patch: Patch, settings) -> PatchReport:
         return PatchReport(patch.name, patch.option, patch.summary, "skipped", reason=_skipped[patch.name])
     if _enabled and patch.applies(settings) and patch.name in settings.skip_patches:
         return PatchReport(patch.name, patch.option, patch.summary, "opted-out",
-                           reason=f"opted out ({_sources.get('skip_patches', 'skip_patches')})")
+                           reason=f"left out on purpose: skip_patches from {_sources.get('skip_patches')}")
     if _enabled and patch.applies(settings):
         return PatchReport(patch.name, patch.option, patch.summary, "pending-import",
                            reason=f"installs when {patch.hook} is imported")

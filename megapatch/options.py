@@ -242,16 +242,6 @@ class Settings:
         """Stable text that must agree across the ranks of a tensor-parallel group."""
         return ";".join(f"{o.name}={o.text(getattr(self, o.name))}" for o in OPTIONS if o.compared)
 
-    def describe(self, sources: Optional[Mapping[str, str]] = None) -> str:
-        """``name=value (source), ...`` for every option: the activation line's settings."""
-        parts = []
-        for o in OPTIONS:
-            part = f"{o.name}={o.text(getattr(self, o.name))}"
-            if sources and sources.get(o.name):
-                part += f" ({sources[o.name]})"
-            parts.append(part)
-        return ", ".join(parts)
-
 
 NATIVE = Settings()
 

@@ -63,8 +63,14 @@ class Status:
         lines = [f"megapatch {'enabled' if self.enabled else 'disabled'}"]
         lines.append("versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in self.versions.items()))
         lines.append("")
+        from .options import OPTIONS_BY_NAME
+
+        def text(name, value):
+            option = OPTIONS_BY_NAME.get(name)
+            return option.text(value) if option is not None else str(value)
+
         lines += _table(("option", "value", "from"),
-                        [(k, str(v), self.sources.get(k, "")) for k, v in self.settings.items()])
+                        [(k, text(k, v), self.sources.get(k, "")) for k, v in self.settings.items()])
         lines.append("")
         rows = []
         for p in self.patches:
