@@ -68,7 +68,9 @@ def tiny_gpt_flags(*, tp: int = 1, pp: int = 1, layers_per_virtual_stage: Option
                    micro_batch: int = 2, global_batch: int = 4, lr: float = 1e-3,
                    seed: int = 1234, extra: Iterable[str] = ()) -> List[str]:
     """``pretrain_gpt.py`` flags for a tiny BF16 GPT on CPU ranks: mock data, no fused kernels,
-    no dropout (so runs at different TP sizes see the same model and data), no evaluation."""
+    no dropout, no evaluation. Runs at different TP sizes see the same data and the same initial
+    model (``--use-cpu-initialization`` splits one master weight) as long as the padded vocabulary
+    is the same: ``vocab + 1`` (NullTokenizer's EOD) rounded up to 128 x TP."""
     flags = [
         "--num-layers", str(layers), "--hidden-size", str(hidden),
         "--num-attention-heads", str(heads), "--seq-length", str(seq),
