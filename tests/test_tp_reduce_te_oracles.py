@@ -1,16 +1,16 @@
 """The Transformer Engine reduce-helper wrappers (``patches/tp_reduce_te.py``) against the
 rank-order FP32 oracle, on 4 bare gloo ranks (no TE, no megatron needed).
 
-The helpers are stand-ins with the contracts of TE's ``distributed.py`` (``allreduce``,
-``reduce_scatter_along_first_dim``), wrapped by the patch's own wrapper functions as the engine
-wraps TE's. Partials depend on position, TP rank and DP rank; sizes are not divisible by TP; the
-layouts are TP=4 (order-sensitive FP32 sums: fp32-accumulate adds in rank order) and TP=2 x DP=2
-(groups {0,1} and {2,3}: a reduction over the wrong group is caught).
+The helpers are test_tp_reduce_te_wiring's stand-ins with the contracts of TE's
+``distributed.py`` (``allreduce``, ``reduce_scatter_along_first_dim``), wrapped by the patch's own
+wrapper functions as the engine wraps TE's. Partials depend on position, TP rank and DP rank;
+sizes are not divisible by TP; the layouts are TP=4 (order-sensitive FP32 sums: fp32-accumulate
+adds in rank order) and TP=2 x DP=2 (groups {0,1} and {2,3}: a reduction over the wrong group is
+caught).
 """
 
 import pytest
 import torch
-import wrapt
 
 from megapatch.testing import run_ranks
 from reduction_oracles import partial, rank_order_sum
@@ -18,31 +18,11 @@ from reduction_oracles import partial, rank_order_sum
 MODES = ("fp32", "fp32-accumulate")
 
 
-def _helpers():
-    import torch.distributed as dist
-    from megapatch.patches import tp_reduce_te as te_patch
-
-    def allreduce(inp, tp_group=None, async_op=False):  # TE: in place, returns (inp, handle)
-        if dist.get_world_size(tp_group) == 1:
-            return inp, None
-        return inp, dist.all_reduce(inp, group=tp_group, async_op=async_op)
-
-    def reduce_scatter_along_first_dim(inp, tp_group, async_op=False, output=None):
-        world = dist.get_world_size(tp_group)
-        if world == 1:
-            return inp, None
-        if output is None:
-            output = torch.empty((inp.shape[0] // world, *inp.shape[1:]), dtype=inp.dtype)
-        return output, dist.reduce_scatter_tensor(output, inp.contiguous(), group=tp_group, async_op=async_op)
-
-    wrappers = {t.attr: t.wrapper for t in te_patch.PATCHES[0].targets
-                if t.module == te_patch.LINEAR and t.attr in ("allreduce", "reduce_scatter_along_first_dim")}
-    return (wrapt.FunctionWrapper(allreduce, wrappers["allreduce"]),
-            wrapt.FunctionWrapper(reduce_scatter_along_first_dim, wrappers["reduce_scatter_along_first_dim"]))
-
-
 def _cases(group, tp, tp_rank, dp_rank, kind):
-    ar, rs = _helpers()
+    from test_tp_reduce_te_wiring import _standin_helpers
+
+    helpers = _standin_helpers()
+    ar, rs = helpers["allreduce"], helpers["reduce_scatter_along_first_dim"]
     part = lambda shape, r=tp_rank: partial(kind, shape, r, dp_rank, tp)  # noqa: E731
     full = lambda shape: rank_order_sum([part(shape, r) for r in range(tp)])  # noqa: E731
     found = {}
