@@ -136,50 +136,63 @@ TE_IMPORT = """
 import os, sys, time
 import torch  # TE needs torch first
 t0 = time.process_time()
-if os.environ.get("BENCH_ENABLE"):
+if os.environ.get("BENCH_ENABLE") == "before":
     import megapatch
     megapatch.enable(tp_reduce_dtype="fp32")
 import transformer_engine.pytorch
-ms = 1000 * (time.process_time() - t0)
+t1 = time.process_time()
+if os.environ.get("BENCH_ENABLE") == "after":  # the same work, timed alone: installs at once
+    import megapatch
+    megapatch.enable(tp_reduce_dtype="fp32")
+t2 = time.process_time()
 if os.environ.get("BENCH_ENABLE"):
     assert "tp_reduce.transformer_engine" in megapatch.status().active, megapatch.status()
-print(f"{ms:.1f}")
+print(f"{1000 * (t1 - t0):.1f} {1000 * (t2 - t1):.1f}")
 """
 
 
 def te_enable_cost(te_python, runs, workdir):
     """enable() + first import of transformer_engine.pytorch in a Python that has TE installed
-    (megapatch from this checkout on PYTHONPATH), against the same import without megapatch."""
+    (megapatch from this checkout on PYTHONPATH), against the same import without megapatch; and
+    enable() alone right after the import (the same work, without the import's noise)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cache = tempfile.mkdtemp(prefix="cache-", dir=workdir)
-    env = {**CLEAN, "PYTHONPATH": repo, "XDG_CACHE_HOME": cache, "PYTHONWARNINGS": "ignore"}
+    env = {**CLEAN, "PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}
 
-    def once(enable):
-        out = subprocess.run([te_python, "-c", TE_IMPORT], env={**env, **({"BENCH_ENABLE": "1"} if enable else {})},
+    def once(enable, cache):
+        out = subprocess.run([te_python, "-c", TE_IMPORT], env={**env, "BENCH_ENABLE": enable,
+                                                                "XDG_CACHE_HOME": cache},
                              cwd=workdir, check=True, capture_output=True, text=True).stdout
-        return float(out.split()[-1])
+        return [float(x) for x in out.split()[-2:]]
 
-    once(False)  # warm-up: page cache, bytecode
-    first = once(True)
-    native, enabled = [], []
+    cold = lambda: tempfile.mkdtemp(prefix="cache-", dir=workdir)  # noqa: E731
+    warm = cold()
+    once("", warm)  # warm-up: page cache, bytecode
+    first_before = once("before", cold())[0]
+    first_after = once("after", cold())[1]
+    native, before, after = [], [], []
     for _ in range(runs):
-        native.append(once(False))
-        enabled.append(once(True))
+        native.append(once("", warm)[0])
+        before.append(once("before", warm)[0])
+        after.append(once("after", warm)[1])
     base = statistics.median(native)
+    med = statistics.median
     return "\n".join([
-        "| `import transformer_engine.pytorch` (after `import torch`), fresh process | CPU ms | vs native |",
+        "| fresh process, after `import torch` | CPU ms | vs native |",
         "|---|---|---|",
-        f"| native (median of {runs}) | {base:.1f} | +0.0 |",
-        f"| `enable(tp_reduce_dtype='fp32')` first, first process of the TE installation | {first:.1f} | "
-        f"{first - base:+.1f} |",
-        f"| `enable(tp_reduce_dtype='fp32')` first, every later process (median of {runs}) | "
-        f"{statistics.median(enabled):.1f} | {statistics.median(enabled) - base:+.1f} |",
+        f"| `import transformer_engine.pytorch`, native (median of {runs}) | {base:.1f} | |",
+        f"| `enable(tp_reduce_dtype='fp32')` + that import, first process of the TE installation | "
+        f"{first_before:.1f} | {first_before - base:+.1f} |",
+        f"| `enable(tp_reduce_dtype='fp32')` + that import, later processes (median of {runs}) | "
+        f"{med(before):.1f} | {med(before) - base:+.1f} |",
+        f"| `enable(tp_reduce_dtype='fp32')` alone, right after the import, first process | {first_after:.1f} | |",
+        f"| `enable(tp_reduce_dtype='fp32')` alone, right after the import, later processes "
+        f"(median of {runs}) | {med(after):.1f} | |",
     ])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=200, help="rounds of (a)")
+    parser.add_argument("--runs", type=int, default=200, help="rounds of (a); 0 skips it")
     parser.add_argument("--import-runs", type=int, default=7, help="rounds of (c); 0 skips it")
     parser.add_argument("--te-version", default="2.20.2", help="TE release for (b); '' skips it")
     parser.add_argument("--te-runs", type=int, default=10)
@@ -191,7 +204,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="megapatch-startup-") as workdir:
         print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
-        print(f"(a) interpreter start, {args.runs} rounds\n\n{startup(args.runs, workdir)}\n")
+        if args.runs:
+            print(f"(a) interpreter start, {args.runs} rounds\n\n{startup(args.runs, workdir)}\n")
         if args.te_version:
             print(f"(b) TE {args.te_version} wiring verdict\n\n"
                   f"{te_verdict_cost(args.te_version, workdir, args.te_runs)}\n")
