@@ -204,3 +204,28 @@ def test_fp32_logits_bypass_upstream_output_dtype_view(pr6252_core):
         assert got == {"output_dtype_before": before, "dtype": "torch.float32", "exact": True,
                        "trained": True, "output_dtype_after": before}, (case, got)
     assert "not megatron-core's own output_dtype (PR #6252)" in report["backend"]
+
+
+def test_launcher_stand_ins_restore_everything_and_only_report_types():
+    """The CUDA stand-ins of the launcher are undone on exit; ``Tensor.type()`` reports a CUDA type
+    name for CPU tensors inside, while conversions keep working (no numerics involved)."""
+    from conftest import run_python
+
+    result = run_python("""
+        import torch
+        from megapatch.testing.cpu_compat import cpu_workarounds
+        from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds, WORKAROUNDS
+        names = [w.attr for w in WORKAROUNDS if w.module == "torch.cuda"]
+        before = {n: getattr(torch.cuda, n) for n in names}
+        x = torch.ones(2, dtype=torch.bfloat16)
+        with megatron_lm_workarounds(), cpu_workarounds():
+            assert torch.cuda.Stream is torch.cpu.Stream
+            assert x.type() == "torch.cuda.BFloat16Tensor", x.type()
+            assert x.type(torch.float32).dtype == torch.float32
+            torch.cuda.set_rng_state(torch.cuda.get_rng_state())
+            assert torch.cuda.get_device_properties("cuda:0").major == 0
+        assert {n: getattr(torch.cuda, n) for n in names} == before
+        assert x.type() == "torch.BFloat16Tensor"
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

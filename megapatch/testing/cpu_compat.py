@@ -293,6 +293,16 @@ def _resolve(workaround: Workaround) -> Optional[Tuple[Any, str]]:
     return owner, leaf
 
 
+def restore_attributes(saved: List[Tuple[Any, str, Any, bool]]) -> None:
+    """Undoes ``(owner, name, original, owner had its own attribute)`` replacements, last first."""
+    while saved:
+        owner, leaf, original, had_own = saved.pop()
+        if had_own:
+            setattr(owner, leaf, original)
+        else:
+            delattr(owner, leaf)
+
+
 class _PatchState:
     """Process-wide reference-counted application of :data:`WORKAROUNDS`."""
 
@@ -333,12 +343,7 @@ class _PatchState:
 
     def _restore(self) -> None:
         logging.getLogger(_RANDOM_MODULE).removeFilter(self.log_filter)
-        while self.saved:
-            owner, leaf, original, had_own = self.saved.pop()
-            if had_own:
-                setattr(owner, leaf, original)
-            else:
-                delattr(owner, leaf)
+        restore_attributes(self.saved)
 
 
 _STATE = _PatchState()

@@ -61,7 +61,7 @@ import threading
 import types
 from typing import Any, Callable, Iterator, List, Tuple
 
-from .cpu_compat import Workaround
+from .cpu_compat import Workaround, restore_attributes
 
 __all__ = ["megatron_lm_workarounds", "WORKAROUNDS", "TYPE_REPORT"]
 
@@ -242,12 +242,7 @@ class _Applied:
         setattr(owner, workaround.attr, workaround.make(original))
 
     def restore(self) -> None:
-        while self.saved:
-            owner, attr, original, had_own = self.saved.pop()
-            if had_own:
-                setattr(owner, attr, original)
-            else:
-                delattr(owner, attr)
+        restore_attributes(self.saved)
 
 
 def _on_import(applied: _Applied, module_name: str,
