@@ -331,6 +331,10 @@ PATCH_TESTS = {
 BEGIN, END = "<!-- supported-versions:begin -->", "<!-- supported-versions:end -->"
 
 
+def _upstream(r: dict) -> str:
+    return r["mcore"] if not str(r["mcore"]).startswith("git:") else f"Megatron-LM main {r['mcore'][4:12]}"
+
+
 def write_report(results: Path, readme: Path) -> int:
     rows = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
     rows = [r for r in rows if "cell" in r]
@@ -353,19 +357,23 @@ def write_report(results: Path, readme: Path) -> int:
             if counts:
                 passed = sum(c["passed"] for c in counts)
                 failed = sum(c["failed"] for c in counts)
-                verdict += f", {passed} passed" + (f", **{failed} failed**" if failed else "")
+                skipped = sum(c["skipped"] for c in counts)
+                verdict += (f", {passed} passed" + (f", {skipped} skipped" if skipped else "")
+                            + (f", **{failed} failed**" if failed else ""))
             cells.append(verdict)
-        upstream = r["mcore"] if not str(r["mcore"]).startswith("git:") else f"Megatron-LM main {r['mcore'][4:12]}"
+        upstream = _upstream(r)
         status = r.get("status", "?")
         summary = r.get("summary", r.get("reason", ""))
         lines.append(f"| {upstream} | {r.get('python')} | {r.get('date', '')} | " + " | ".join(cells)
                      + f" | {status}: {summary} |")
-    ran = {tuple(r.get("pytest_args") or ()) for r in rows}
-    if len(ran) == 1:
-        args = list(ran.pop())
-        which = "`python tools/matrix.py --subset test`, i.e. " if args == SUBSET else ""
+    ran: dict = {}
+    for r in rows:
+        ran.setdefault(tuple(r.get("pytest_args") or ()), []).append(r)
+    for args, group in ran.items():
+        names = ", ".join(f"{_upstream(r)} ({r.get('date', '?')})" for r in group)
+        which = "`python tools/matrix.py --subset test`, i.e. " if list(args) == SUBSET else ""
         shown = " ".join(f'"{a}"' if " " in a else a for a in args) or "(the whole suite)"
-        lines += ["", f"Every cell ran {which}`pytest {shown}`."]
+        lines += ["", f"{names} ran {which}`pytest {shown}`."]
     lines += ["", END]
     text = readme.read_text()
     if BEGIN in text and END in text:
