@@ -21,7 +21,6 @@ import sys
 ENV_PREFIX = "MEGAPATCH_"
 TRIGGERS = ("megatron", "transformer_engine")  # top-level packages: looked up before their modules
 HOOKED_MODULES = ("megatron.core", "transformer_engine.pytorch")
-OTHER_VARIABLES = ("MEGAPATCH_TE_SRC_CACHE",)  # read by tools, not options (megapatch.te_wiring)
 
 
 class _Trigger:
@@ -76,9 +75,8 @@ def arm() -> None:
         return
     from megapatch import options
 
-    _warn_unknown_variables(options)
-    disabled = getattr(options, "disabled", options.env_disabled)  # validates the spelling
-    if disabled() or not options.env_requests():
+    options.warn_unknown_env_variables()  # logged once per name; enable() calls it too
+    if options.disabled() or not options.env_requests():  # disabled() validates the spelling
         _armed = True
         return
     try:
@@ -98,16 +96,6 @@ def arm() -> None:
     _armed = True
     for name in HOOKED_MODULES:
         wrapt.register_post_import_hook(_activate, name)
-
-
-def _warn_unknown_variables(options) -> None:
-    unknown = getattr(options, "unknown_env_variables", None)
-    for name, closest in (unknown(known=OTHER_VARIABLES) if unknown else ()):
-        import warnings
-
-        hint = f"; did you mean {closest}?" if closest else ""
-        warnings.warn(f"megapatch: {name} is not a variable megapatch reads (ignored){hint}",
-                      RuntimeWarning, stacklevel=2)
 
 
 def _activate(_module) -> None:

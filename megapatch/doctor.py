@@ -15,7 +15,6 @@ from the environment fails or never happens; 2 an invalid ``MEGAPATCH_*`` value.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import sys
@@ -56,12 +55,7 @@ def _findable(module: str) -> bool:
 
 
 def _unknown_variables() -> dict:
-    finder = getattr(options, "unknown_env_variables", None)
-    if finder is not None:
-        return dict(finder())
-    known = sorted({o.env for o in options.OPTIONS} | {options.DISABLE_ENV})
-    return {name: (difflib.get_close_matches(name, known, n=1) or [None])[0]
-            for name in sorted(os.environ) if name.startswith(options.ENV_PREFIX) and name not in known}
+    return dict(options.unknown_env_variables())
 
 
 def _environment() -> dict:
@@ -71,7 +65,7 @@ def _environment() -> dict:
 
 
 def _kill_switch() -> bool:
-    return getattr(options, "disabled", options.env_disabled)()
+    return options.disabled()
 
 
 def _activate_like_a_job(survey: dict, settings: options.Settings) -> None:
@@ -120,25 +114,19 @@ def _activate_like_a_job(survey: dict, settings: options.Settings) -> None:
 
 def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabled: bool) -> dict:
     row = {"name": patch.name, "option": patch.option, "summary": patch.summary,
-           "package": getattr(patch, "package", None), "supported": None,
+           "package": patch.package, "supported": None,
            "requested": None, "opted_out": False, "upstream": "n/a", "problems": [],
            "targets": len(patch.targets), "backend": None, "would_install": False, "why": "",
            "untested": []}
-    supported = getattr(patch, "supported", None)
-    if supported:
-        row["supported"] = ({k: str(v) for k, v in supported.items()} if hasattr(supported, "items")
-                            else str(supported))
-    outside = getattr(versions, "outside_range", None)
-    if outside is not None:
-        row["untested"], error = _guard(f"{patch.name} version range", lambda: list(outside(patch)), [])
-        if error:
-            row["problems"].append(error)
+    row["supported"] = versions.supported_range(patch) or None
+    row["untested"], error = _guard(f"{patch.name} version range", lambda: list(versions.outside_range(patch)), [])
+    if error:
+        row["problems"].append(error)
     if settings is not None:
         row["requested"], error = _guard(f"{patch.name}.applies", lambda: bool(patch.applies(settings)), False)
         if error:
             row["problems"].append(error)
-        skipped = getattr(settings, "skip_patches", ()) or ()
-        row["opted_out"] = patch.name in skipped
+        row["opted_out"] = patch.name in settings.skip_patches
     top = patch.hook.split(".")[0]
     if not _findable(top):
         row["problems"].append(f"{top} is not installed")
@@ -195,7 +183,7 @@ def _survey(result: dict) -> None:
         result["problems"] += environment["problems"]
     settings = None
     try:
-        settings, sources = options.resolve({})
+        settings, sources = engine.resolve({})  # skip_patches names checked too
         result["settings"] = {o.name: getattr(settings, o.name) for o in options.OPTIONS}
         result["sources"] = dict(sources)
         result["disabled"] = _kill_switch()

@@ -68,10 +68,6 @@ class Patch:
     watches: Tuple[str, ...] = ()
     supports: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    @property
-    def supported(self) -> Mapping[str, str]:  # the name `megapatch doctor` reads
-        return self.supports
-
 
 def discover() -> Tuple[Patch, ...]:
     """Every ``Patch`` declared by the modules of ``megapatch.patches``, in module order."""
