@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-import warnings
 import weakref
 from typing import List, Optional
 
@@ -260,10 +259,7 @@ class _Aligner:
             if not self.disabled:
                 model = a[1] if len(a) > 1 else k.get("model")
                 if v >= len(self.chunk_of) or model is not self.model[self.chunk_of[v]]:
-                    warnings.warn("megapatch align_fp8_transposes: the schedule ran forward steps "
-                                  "out of virtual-microbatch order; passing through for the rest "
-                                  "of this call", RuntimeWarning, stacklevel=2)
-                    self.disabled = True
+                    self.disabled = True  # the call's decision (and its one log line) says why
                 else:
                     now = v + self.pp_rank  # rank-0 clock
                     for c in range(1, self.n):  # the last chunk (and any slot already passed)
