@@ -332,7 +332,7 @@ def _probe() -> Optional[str]:
 PATCHES = (
     Patch(
         name="fp8.align_transposes",
-        supports={"megatron-core": ">=0.12,<0.19"},  # tested: results/matrix, README "Supported versions"
+        supports={"megatron-core": ">=0.12,<0.21"},  # tested: results/matrix, README "Supported versions" (passes through < 0.16)
         option="align_fp8_transposes",
         summary="FP8 param all-gathers finished + transposed at the interleaved schedule's "
                 "param-sync slots (same slot on every pipeline stage)",

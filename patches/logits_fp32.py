@@ -149,7 +149,7 @@ def _backend() -> str:
 PATCHES = (
     Patch(
         name="logits.fp32_lm_head",
-        supports={"megatron-core": ">=0.12,<0.20"},  # tested: results/matrix, README "Supported versions"
+        supports={"megatron-core": ">=0.12,<0.21"},  # tested: results/matrix, README "Supported versions"
         option="logits_dtype",
         summary="FP32 LM-head logits with the GEMM accumulator kept (GPTModel marks its output layer)",
         hook=GPT,
@@ -164,7 +164,7 @@ PATCHES = (
     # the hybrid/Mamba model calls its output layer the same way (megatron-core >= 0.12)
     Patch(
         name="logits.fp32_lm_head_mamba",
-        supports={"megatron-core": ">=0.12,<0.20"},  # tested: results/matrix, README "Supported versions"
+        supports={"megatron-core": ">=0.12,<0.21"},  # tested: results/matrix, README "Supported versions"
         option="logits_dtype",
         summary="FP32 LM-head logits for MambaModel (same marking as GPTModel)",
         hook=MAMBA,
@@ -179,7 +179,7 @@ PATCHES = (
     # half is missing, the marking half raises instead of returning BF16 logits
     Patch(
         name="logits.fp32_output_layer",
-        supports={"megatron-core": ">=0.12,<0.20"},  # tested: results/matrix, README "Supported versions"
+        supports={"megatron-core": ">=0.12,<0.21"},  # tested: results/matrix, README "Supported versions"
         option="logits_dtype",
         summary="the marked output layer computes its logits in FP32",
         hook="megatron.core.tensor_parallel",

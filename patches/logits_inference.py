@@ -91,7 +91,7 @@ def _pipeline_methods_probe():
 PATCHES = (
     Patch(
         name="logits.fp32_inference",
-        supports={"megatron-core": ">=0.12,<0.20"},  # tested: results/matrix, README "Supported versions"
+        supports={"megatron-core": ">=0.12,<0.21"},  # tested: results/matrix, README "Supported versions"
         option="logits_dtype",
         summary="FP32 logits reach sampling and log-probs in static-batching inference",
         hook=CONTROLLER,

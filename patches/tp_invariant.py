@@ -224,6 +224,7 @@ def _optimizers(owner):
 PATCHES = (
     Patch(
         name="tp_invariant.tensor_parallel",
+        supports={"megatron-core": ">=0.16,<0.17"},  # tested on 0.16.1 only (tests/test_tp_invariant.py)
         option="tp_invariant",
         summary="TP-invariant linear layers and vocab-parallel cross entropy (fixed-tree FP32 sums)",
         hook="megatron.core.tensor_parallel",
@@ -241,6 +242,7 @@ PATCHES = (
     ),
     Patch(
         name="tp_invariant.mlp",
+        supports={"megatron-core": ">=0.16,<0.17"},  # tested on 0.16.1 only (tests/test_tp_invariant.py)
         option="tp_invariant",
         summary="refuses MLP configurations tp_invariant does not cover (TE, fused, GLU)",
         hook=MLP,
@@ -249,6 +251,7 @@ PATCHES = (
     ),
     Patch(
         name="tp_invariant.grad_norm",
+        supports={"megatron-core": ">=0.16,<0.17"},  # tested on 0.16.1 only (tests/test_tp_invariant.py)
         option="tp_invariant",
         summary="TP-invariant gradient norm for clipping (fixed-tree FP32 sum of squares)",
         hook=OPTIMIZER,
