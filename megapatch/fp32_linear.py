@@ -40,6 +40,11 @@ def output_dtype(dtype: Optional[torch.dtype]):
         _requested.reset(token)
 
 
+def requested_output_dtype() -> Optional[torch.dtype]:
+    """The output dtype an enclosing ``output_dtype`` block asks for on this thread (or None)."""
+    return _requested.get()
+
+
 class _FP32AccumulatorMode(TorchFunctionMode):
     """Turns the low-precision GEMM of one upstream forward into an FP32-output GEMM."""
 

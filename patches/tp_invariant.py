@@ -106,7 +106,7 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     tpi.check_divisible(f"{type(instance).__name__} output features",
                         weight.shape[0] * tpi.group_size(group), weight.shape[0], group)
     # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
-    out_dtype = fp32_linear._requested.get()
+    out_dtype = fp32_linear.requested_output_dtype()
     return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype)
 
 

@@ -78,6 +78,15 @@ def _train(ctx, shape):
     return result
 
 
+def _fp32_logits(ctx, shape):
+    from megapatch.testing import gather_tp_logits
+
+    batch = _batch(shape, 0)
+    with torch.no_grad():
+        logits = _model(ctx, shape)(batch.tokens, batch.position_ids, batch.attention_mask)
+    return str(logits.dtype), gather_tp_logits(logits, ctx)
+
+
 def _refusal(ctx, shape, **overrides):
     from megapatch.errors import UnsupportedConfigurationError
 
@@ -152,6 +161,9 @@ def _job(ctx):
         for name, shape in MODELS.items():
             out[("invariant", name, tp)] = _train(ctx, shape)
         out[("invariant", "planted", tp)] = _planted_layers(ctx)
+        megapatch.enable(tp_invariant=True, logits_dtype="fp32")
+        out[("invariant-fp32-logits", tp)] = _fp32_logits(ctx, MODELS["odd"])
+        megapatch.enable(tp_invariant=True, logits_dtype="native")
         if tp == 2:
             out["sequence_parallel"] = _refusal(ctx, MODELS["tiny"], sequence_parallel=True)
         megapatch.disable()
@@ -335,3 +347,13 @@ def test_activations_do_not_depend_on_the_shard_shape(activation, dtype):
             out.backward(grad[:, cols].contiguous())
             assert torch.equal(out, fn(x)[:, cols]), (tp, shape)
             assert torch.equal(shard.grad, full.grad[:, cols]), (tp, shape)
+
+
+@pytest.mark.parametrize("tp", TPS[1:])
+def test_fp32_logits_compose_with_the_mode(runs, tp):
+    """logits_dtype=fp32 under tp_invariant: FP32 logits (not BF16 values upcast), bit-identical
+    to TP=1."""
+    (base_dtype, base), (dtype, here) = runs[("invariant-fp32-logits", 1)], runs[("invariant-fp32-logits", tp)]
+    assert base_dtype == dtype == "torch.float32"
+    assert not torch.equal(base, base.to(torch.bfloat16).float())
+    assert torch.equal(here, base)
