@@ -172,7 +172,7 @@ def _compare(dist, ranks, key_of, settings, grace: float) -> None:
     """Wait for every rank's entry (up to the check timeout) and raise on a difference (after
     ``grace`` seconds of re-reading)."""
     store = _store(dist)
-    timeout = float(getattr(settings, "check_timeout", 300.0))
+    timeout = float(settings.check_timeout)
     me = dist.get_rank()
     mine = _entry(settings)
     keys = {r: key_of(r) for r in ranks}

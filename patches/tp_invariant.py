@@ -55,7 +55,7 @@ def _refuse(what: str, why: str):
 
 
 def _applies(settings) -> bool:
-    if not getattr(settings, "tp_invariant", False):
+    if not settings.tp_invariant:
         return False
     # refused here, before enable() changes anything: the two modes wrap the same layers
     if settings.tp_reduce_dtype != "native":
