@@ -38,7 +38,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    from megapatch import fp32_gemm
+    from megapatch.numerics import fp32_gemm
 
     te_gemm = fp32_gemm._te_general_gemm()
     print(f"{torch.cuda.get_device_name()}; N={args.n}; TE general_gemm: {'yes' if te_gemm else 'no'}\n")

@@ -3,7 +3,7 @@
 (a) ``python -c pass`` with a ``MEGAPATCH_*`` variable set, megatron never imported, against the
     same command with no variable (goal: within 2 ms CPU). For context, a third row imports the
     engine eagerly, as the startup hook did before it deferred its imports.
-(b) The TE wiring verdict the TE patch's probe needs (``megapatch.te_verdict.installed_problem``)
+(b) The TE wiring verdict the TE patch's probe needs (``megapatch.te_check.verdict.installed_problem``)
     in a fresh process that has megapatch's engine loaded, as a rank has when the probe runs:
     the first process of a TE installation runs the static check over TE's sources and stores
     the verdict; every later process (every rank, every job) reads it (goal: under 100 ms per
@@ -73,17 +73,18 @@ def startup(runs, cwd):
         ("`python -c pass`, no MEGAPATCH_* variable", [py, "-c", "pass"], CLEAN),
         ("`python -c pass`, MEGAPATCH_TP_REDUCE_DTYPE=fp32", [py, "-c", "pass"],
          {**CLEAN, "MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}),
-        ("(context) no variable, `python -c 'import megapatch.engine'` (the eager hook's imports)",
-         [py, "-c", "import megapatch.engine"], CLEAN),
+        ("(context) no variable, `python -c 'import megapatch.core.engine'` (the eager hook's imports)",
+         [py, "-c", "import megapatch.core.engine"], CLEAN),
     ]
     return table(alternate(rows, runs, cwd), rows[0][0])
 
 
 def te_tree(version, workdir):
-    from megapatch import te_wiring
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import te_releases
 
-    claimed = te_wiring.claimed_versions()
-    wheel = te_wiring.ensure_wheels({version: claimed[version]})[version]
+    claimed = te_releases.claimed_versions()
+    wheel = te_releases.ensure_wheels({version: claimed[version]})[version]
     root = os.path.join(workdir, f"te-{version}")
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root, [n for n in archive.namelist() if n.startswith("transformer_engine/")])
@@ -92,12 +93,13 @@ def te_tree(version, workdir):
 
 PROBE = """
 import sys, time
-import megapatch.engine  # loaded before the probe runs in a rank (enable() -> patch install)
+import megapatch.core.engine  # loaded before the probe runs in a rank (enable() -> patch install)
+from megapatch.patches import tp_reduce_transformer_engine as spec  # (the patch module calls the probe)
 t0 = time.process_time()
-from megapatch import te_verdict
-problem = te_verdict.installed_problem()
+from megapatch.te_check import verdict
+problem = verdict.installed_problem(spec)
 ms = 1000 * (time.process_time() - t0)
-print(f"{ms:.1f} {problem is None} {'megapatch.te_wiring' in sys.modules}")
+print(f"{ms:.1f} {problem is None} {'megapatch.te_check.wiring' in sys.modules}")
 """
 
 

@@ -6,7 +6,7 @@ native vs fp32-accumulate vs fp32 TP reductions. Same as `megapatch demo`.
 
 import sys
 
-from megapatch.cli import main
+from megapatch.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["demo", *sys.argv[1:]]))

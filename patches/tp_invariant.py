@@ -1,5 +1,5 @@
 """Bitwise TP invariance (``tp_invariant=True``): megatron-core's local layers give the same bits
-at every TP size dividing ``tp_invariant_width`` (W). The arithmetic is in ``megapatch.tp_invariant``.
+at every TP size dividing ``tp_invariant_width`` (W). The arithmetic is in ``megapatch.numerics.block_tree``.
 
 Every TP-dependent computation of a GPT forward and backward, and where it is handled:
 
@@ -30,16 +30,18 @@ expert-parallel layers, the distributed optimizer, pipeline-parallel grad norms,
 from __future__ import annotations
 
 import contextvars
+import functools
 
 import torch
 
-from megapatch import fp32_linear
-from megapatch import tp_invariant as tpi
-from megapatch.args import argument
-from megapatch.errors import OptionError, UnsupportedConfigurationError
-from megapatch.registry import Patch, Target
+from megapatch.numerics import fp32_output_linear
+from megapatch.numerics import block_tree as tpi
+from megapatch.core.call_args import argument
+from megapatch.core.errors import OptionError, UnsupportedConfigurationError
+from megapatch.core.registry import Patch, Target
+from megapatch.core.scope import scoped
+from megapatch.patches._common import LAYERS, MEGATRON_CORE_TP_INVARIANT_TESTED, tp_group
 
-LAYERS = "megatron.core.tensor_parallel.layers"
 CROSS_ENTROPY = "megatron.core.tensor_parallel.cross_entropy"
 MLP = "megatron.core.transformer.mlp"
 OPTIMIZER = "megatron.core.optimizer.optimizer"
@@ -67,15 +69,6 @@ def _applies(settings) -> bool:
     return True
 
 
-def _tp_group(layer):
-    group = getattr(layer, "tp_group", None)
-    if group is None:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_tensor_model_parallel_group()
-    return group
-
-
 def _refuse_te(layer) -> None:
     if "transformer_engine" in type(layer).__module__:
         _refuse(f"{type(layer).__qualname__}", "Transformer Engine GEMMs choose their kernels by shape")
@@ -97,7 +90,7 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
         _refuse("defer_embedding_wgrad_compute", "the deferred wgrad runs outside this layer")
     if getattr(instance, "explicit_expert_comm", False):
         _refuse("expert-parallel linear layers", "not implemented for this mode yet")
-    group = _tp_group(instance)
+    group = tp_group(instance)
     allreduce_dgrad = argument(args, kwargs, 4, "allreduce_dgrad", False)
     if tpi.group_size(group) > 1 and not allreduce_dgrad:
         _refuse("a column-parallel layer whose dgrad is reduced outside it",
@@ -106,7 +99,7 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     tpi.check_divisible(f"{type(instance).__name__} output features",
                         weight.shape[0] * tpi.group_size(group), weight.shape[0], group)
     # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
-    out_dtype = fp32_linear.requested_output_dtype()
+    out_dtype = fp32_output_linear.requested_output_dtype()
     return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype)
 
 
@@ -120,7 +113,7 @@ def _row_forward(wrapped, instance, args, kwargs):
         _refuse("expert-parallel linear layers", "not implemented for this mode yet")
     if getattr(instance, "gradient_accumulation_fusion", False):
         _refuse("gradient_accumulation_fusion", "its fused wgrad GEMM accumulates by shape")
-    group = _tp_group(instance)
+    group = tp_group(instance)
     if not instance.input_is_parallel:
         from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 
@@ -176,11 +169,8 @@ def _mlp_forward(wrapped, instance, args, kwargs):
 def _norm_owner_scope(wrapped, instance, args, kwargs):
     if not tpi.active():
         return wrapped(*args, **kwargs)
-    token = _norm_owner.set(instance)
-    try:
+    with scoped(_norm_owner, instance):
         return wrapped(*args, **kwargs)
-    finally:
-        _norm_owner.reset(token)
 
 
 def _grad_norm_fp32(wrapped, instance, args, kwargs):
@@ -221,14 +211,15 @@ def _optimizers(owner):
     return list(getattr(owner, "chained_optimizers", None) or [owner])
 
 
+# every patch here serves tp_invariant=True (and refuses what it cannot honour, see _applies)
+_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=_applies,
+                                     supports=MEGATRON_CORE_TP_INVARIANT_TESTED)
+
 PATCHES = (
-    Patch(
+    _invariant_patch(
         name="tp_invariant.tensor_parallel",
-        supports={"megatron-core": ">=0.16,<0.17"},  # tested on 0.16.1 only (tests/test_tp_invariant.py)
-        option="tp_invariant",
         summary="TP-invariant linear layers and vocab-parallel cross entropy (fixed-tree FP32 sums)",
         hook="megatron.core.tensor_parallel",
-        applies=_applies,
         watches=(f"{LAYERS}:ColumnParallelLinear.forward", f"{CROSS_ENTROPY}:_VocabParallelCrossEntropy.forward"),
         targets=(
             Target(LAYERS, "ColumnParallelLinear._forward_impl", _column_forward_impl, kind="method",
@@ -240,22 +231,16 @@ PATCHES = (
                    params=("vocab_parallel_logits", "target", "logits_max")),
         ),
     ),
-    Patch(
+    _invariant_patch(
         name="tp_invariant.mlp",
-        supports={"megatron-core": ">=0.16,<0.17"},  # tested on 0.16.1 only (tests/test_tp_invariant.py)
-        option="tp_invariant",
         summary="refuses MLP configurations tp_invariant does not cover (TE, fused, GLU)",
         hook=MLP,
-        applies=_applies,
         targets=(Target(MLP, "MLP.forward", _mlp_forward, kind="method", params=("self", "hidden_states")),),
     ),
-    Patch(
+    _invariant_patch(
         name="tp_invariant.grad_norm",
-        supports={"megatron-core": ">=0.16,<0.17"},  # tested on 0.16.1 only (tests/test_tp_invariant.py)
-        option="tp_invariant",
         summary="TP-invariant gradient norm for clipping (fixed-tree FP32 sum of squares)",
         hook=OPTIMIZER,
-        applies=_applies,
         targets=(
             Target(CLIP_GRADS, "get_grad_norm_fp32", _grad_norm_fp32,
                    params=("grads_for_norm", "norm_type", "grad_stats_parallel_group")),

@@ -8,6 +8,7 @@ import pytest
 import megapatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))  # the tools' modules (te_releases, matrix) for their tests
 
 
 @pytest.fixture(autouse=True)

@@ -192,7 +192,7 @@ def _train(ctx, patched, psf, vpp, eval_pass=False, cost_s=0.0):
         for name, p in m.module.named_parameters():
             h.update(name.encode())
             h.update(p.detach().numpy().tobytes())
-    from megapatch.patches import align_fp8_transposes as pm
+    from megapatch.patches import fp8_align_transposes as pm
 
     backend = megapatch.status().patch("fp8.align_transposes").backend
     result = dict(losses=losses, params=h.hexdigest(), events=rec.events, times=times,
@@ -346,7 +346,7 @@ def _pass_through_reason(ctx):
 
 def test_passes_through_where_ddp_runs_no_processing():
     from megatron.core.distributed import param_and_grad_buffer as pgb
-    from megapatch.patches.align_fp8_transposes import _has_processing
+    from megapatch.patches.fp8_align_transposes import _has_processing
 
     if _has_processing(pgb):
         pytest.skip("this megatron-core (>= 0.16) post-processes in DDP: the patch aligns here "
@@ -360,7 +360,7 @@ def test_passes_through_where_ddp_runs_no_processing():
 
 def test_chunk_order_helper_matches_upstream_schedule_table_for_uneven_groups():
     import megatron.core.pipeline_parallel.schedules as schedules
-    from megapatch.patches.align_fp8_transposes import _chunk_of_virtual_microbatch
+    from megapatch.patches.fp8_align_transposes import _chunk_of_virtual_microbatch
 
     table = getattr(schedules, "get_schedule_table", None)
     if table is None:
@@ -414,7 +414,7 @@ def _run_stand_in_schedule(monkeypatch, forward_chunks, chunks):
 
     import megapatch
     import megatron.core.distributed.param_and_grad_buffer  # noqa: F401  (the patch requires it)
-    from megapatch.patches import align_fp8_transposes as pm
+    from megapatch.patches import fp8_align_transposes as pm
 
     monkeypatch.setattr(pm, "_why_not", lambda args, kwargs, pgb: None)
     monkeypatch.setattr(pm, "_unwrap_ddp", lambda chunk: chunk)

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import megapatch
-from megapatch.cli import main
-from megapatch.demo import MODES, TP_SIZES, count_warnings
+from megapatch.commands.cli import main
+from megapatch.commands.demo import MODES, TP_SIZES, count_warnings
 
 from conftest import REPO
 
@@ -55,7 +55,7 @@ def test_demo_rejects_unknown_modes(capsys):
 
 
 def test_demo_tp_sizes_always_include_the_reference():
-    from megapatch.cli import build_parser
+    from megapatch.commands.cli import build_parser
 
     args = build_parser().parse_args(["demo", "--tp", "4,2,4", "--modes", "fp32,native,fp32"])
     assert args.tp == [1, 2, 4]

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from megapatch.errors import CrossRankMismatchError
+from megapatch.core.errors import CrossRankMismatchError
 from megapatch.testing import RankFailure, run_ranks
 
 from conftest import REPO

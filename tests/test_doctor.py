@@ -10,10 +10,10 @@ import sys
 
 from conftest import run_python
 
-from megapatch import engine
-from megapatch.doctor import diagnose, survey
+from megapatch.core import engine
+from megapatch.commands.doctor import diagnose, survey
 
-DOCTOR = "import sys; from megapatch.cli import main; sys.exit(main({argv!r}))"
+DOCTOR = "import sys; from megapatch.commands.cli import main; sys.exit(main({argv!r}))"
 # An upstream whose surface changed: `_reduce`'s parameters renamed, in place before megatron.core
 # finishes importing (so before megapatch's startup hook can see the original).
 RENAMED_REDUCE = """
@@ -24,7 +24,7 @@ def rename(mappings):
         return original(tensor, process_group)
     mappings._reduce = _reduce
 wrapt.register_post_import_hook(rename, "megatron.core.tensor_parallel.mappings")
-from megapatch.cli import main
+from megapatch.commands.cli import main
 sys.exit(main({argv!r}))
 """
 
@@ -105,7 +105,7 @@ def test_doctor_exit_1_when_the_startup_hook_never_runs():
     """Variables set, but nothing activates megapatch (no .pth processed, as with pip --target):
     FP32 was asked for and the job would silently run native."""
     code = ("import os, sys; os.environ['MEGAPATCH_TP_REDUCE_DTYPE'] = 'fp32'\n"
-            "from megapatch.cli import main; sys.exit(main(['doctor']))")
+            "from megapatch.commands.cli import main; sys.exit(main(['doctor']))")
     result = run_python(code)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "activation: not-run" in result.stdout and "megapatch-run" in result.stdout

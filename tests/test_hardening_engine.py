@@ -13,8 +13,8 @@ import torch
 import wrapt
 
 import megapatch
-from megapatch import engine, options, patching
-from megapatch.errors import OptionError, UpstreamSurfaceError
+from megapatch.core import engine, options, wrappers
+from megapatch.core.errors import OptionError, UpstreamSurfaceError
 
 from conftest import run_python
 
@@ -56,7 +56,7 @@ def test_activation_refuses_a_bad_check_timeout(monkeypatch):
 
 
 def test_doctor_reports_a_bad_check_timeout():
-    result = run_python("import sys; from megapatch.cli import main; sys.exit(main(['doctor']))",
+    result = run_python("import sys; from megapatch.commands.cli import main; sys.exit(main(['doctor']))",
                         env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "nan"})
     assert result.returncode == 2, result.stdout + result.stderr
     assert "MEGAPATCH_CHECK_TIMEOUT='nan'" in result.stdout + result.stderr
@@ -131,7 +131,7 @@ def test_a_probe_that_raises_is_a_surface_error_when_strict(monkeypatch):
 def test_non_strict_import_never_raises_when_a_probe_raises():
     result = run_python("""
         import dataclasses, megapatch
-        from megapatch import engine
+        from megapatch.core import engine
 
         def probe():  # as the FP8 probe does on an upstream whose __init__ is not a function
             return object().__init__.__code__
@@ -163,9 +163,9 @@ def test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable(strict):
         assert mappings._reduce is theirs
         status = megapatch.enable(tp_reduce_dtype="fp32", strict=strict)
         assert status.patch("tp_reduce.megatron_core").state == "active"
-        assert patching.find_megapatch_wrapper(theirs) is ours
+        assert wrappers.find_megapatch_wrapper(theirs) is ours
         assert mappings._reduce is theirs and ours._self_switch.on is True
-        assert not patching.is_megapatch_wrapper(ours.__wrapped__)  # never wrapped twice
+        assert not wrappers.is_megapatch_wrapper(ours.__wrapped__)  # never wrapped twice
         megapatch.disable()
         assert ours._self_switch.on is False  # cannot be taken out from under theirs: passes through
     finally:
@@ -176,14 +176,14 @@ def test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable(strict):
 def test_failed_enable_changes_nothing(monkeypatch):
     before = megapatch.enable(logits_dtype="fp32")
     column_forward = layers.ColumnParallelLinear.__dict__["forward"]
-    real_install = patching.install
+    real_install = wrappers.install
 
     def failing_install(target, patch_name):
         if target.attr == "dist_reduce_scatter_func":
             raise RuntimeError("simulated failure half-way through a patch")
         return real_install(target, patch_name)
 
-    monkeypatch.setattr(patching, "install", failing_install)
+    monkeypatch.setattr(wrappers, "install", failing_install)
     with pytest.raises(UpstreamSurfaceError, match="simulated failure"):
         megapatch.enable(tp_reduce_dtype="fp32")
     after = megapatch.status()
@@ -195,7 +195,7 @@ def test_failed_enable_changes_nothing(monkeypatch):
 
 
 def test_failed_enable_from_disabled_stays_disabled(monkeypatch):
-    monkeypatch.setattr(patching, "install", lambda target, name: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(wrappers, "install", lambda target, name: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(UpstreamSurfaceError):
         megapatch.enable(tp_reduce_dtype="fp32")
     status = megapatch.status()
@@ -218,7 +218,7 @@ def test_reconfigure_keeps_earlier_explicit_values():
 def test_status_after_a_strict_import_failure_says_incompatible():
     result = run_python("""
         import megapatch, dataclasses
-        from megapatch import engine, registry
+        from megapatch.core import engine, registry
         broken = registry.Target("megatron.core.tensor_parallel.mappings", "no_such_symbol", lambda *a: None)
         engine._patches = tuple(dataclasses.replace(p, targets=p.targets + (broken,))
                                 if p.name == "tp_reduce.megatron_core" else p for p in engine.patches())
@@ -273,10 +273,10 @@ def test_alias_held_in_main_is_rebound_and_restored():
     result = run_python("""
         from megatron.core.tensor_parallel.mappings import _reduce
         import megapatch
-        from megapatch import patching
+        from megapatch.core import wrappers
         original = _reduce
         megapatch.enable(tp_reduce_dtype='fp32')
-        wrapped = patching.is_megapatch_wrapper(_reduce)
+        wrapped = wrappers.is_megapatch_wrapper(_reduce)
         megapatch.disable()
         print(wrapped, _reduce is original)
     """)
@@ -293,7 +293,7 @@ def test_torch_collective_alias_taken_while_enabled_is_restored_by_disable():
         holder.all_reduce = torch.distributed.all_reduce
         sys.modules[holder.__name__] = holder
     try:
-        assert all(patching.is_megapatch_wrapper(h.all_reduce) for h in holders)
+        assert all(wrappers.is_megapatch_wrapper(h.all_reduce) for h in holders)
         megapatch.disable()
         assert [h.all_reduce is ORIGINAL_ALL_REDUCE for h in holders] == [True, True]
         assert torch.distributed.all_reduce is ORIGINAL_ALL_REDUCE
@@ -309,7 +309,7 @@ def test_wrapped_functions_pickle_and_copy_like_stock():
     assert copy.copy(wrapper) is wrapper and copy.deepcopy(wrapper) is wrapper
     assert copy.deepcopy({"fn": wrapper})["fn"] is wrapper
     loaded = pickle.loads(pickle.dumps(layers.RowParallelLinear.forward))  # a method, via the class
-    assert patching.is_megapatch_wrapper(loaded)
+    assert wrappers.is_megapatch_wrapper(loaded)
     assert loaded.__wrapped__ is layers.RowParallelLinear.__dict__["forward"].__wrapped__
     stale = pickle.dumps(wrapper)
     megapatch.disable()
@@ -401,7 +401,7 @@ def test_activation_line_goes_to_the_applications_handlers_once_it_has_some():
 
 
 def test_fp8_pass_through_is_logged_once(caplog):
-    from megapatch.patches import align_fp8_transposes as fp8
+    from megapatch.patches import fp8_align_transposes as fp8
 
     with caplog.at_level(logging.INFO, logger="megapatch"):
         for _ in range(3):

@@ -7,7 +7,7 @@
 * ``megapatch doctor`` with a Megatron-LM checkout on ``PYTHONPATH`` reports the checkout's
   megatron-core, not the version of the megatron-core wheel installed beside it.
 * ``pip install --target DIR`` + ``PYTHONPATH=DIR``: no ``.pth`` is read there, and ``megapatch-run``
-  (or ``python -m megapatch.run``) still activates megapatch in the command's Python processes.
+  (or ``python -m megapatch.commands.launcher``) still activates megapatch in the command's Python processes.
 
 Needs the build backend (hatchling, fetched by pip's build isolation) to build the wheel, and the
 Megatron-LM tarballs in ``<repo>/../shared/megatron-lm/`` for the checkout; skips, saying which,
@@ -122,7 +122,7 @@ def _copy_distribution(name, site_packages):
 
 
 def _version():
-    with open(os.path.join(REPO, "megapatch", "__init__.py")) as f:
+    with open(os.path.join(REPO, "megapatch", "core", "version.py")) as f:
         return next(line.split('"')[1] for line in f if line.startswith("__version__"))
 
 
@@ -163,7 +163,7 @@ def test_versions_are_those_of_the_modules_in_use(container, checkout):
     python, _before, _after, install = container
     assert install.returncode == 0, install.stderr[-3000:]
     checkout_path, checkout_version = checkout
-    code = ("import json, megapatch.versions as v; "
+    code = ("import json, megapatch.core.upstream_versions as v; "
             "print(json.dumps({p: v.version_info(p) for p in ('torch', 'megatron-core')}))")
     found = json.loads(_run([python, "-c", code], {"PYTHONPATH": checkout_path}).stdout)
     assert found["torch"][0] == FAKE_TORCH
@@ -212,7 +212,7 @@ def test_target_install_activates_through_the_launcher(tmp_path, wheel):
 
     launcher = os.path.join(target, "bin", "megapatch-run")
     shell = f'"{python}" -c \'{CHILD}\''  # a non-Python process in between, as torchrun or srun
-    for prefix in ([python, launcher], [python, "-m", "megapatch.run"]):
+    for prefix in ([python, launcher], [python, "-m", "megapatch.commands.launcher"]):
         result = _run(prefix + ["--tp-reduce-dtype", "fp32", "--", "sh", "-c", shell], env)
         assert result.stdout.split()[1].startswith(target), result.stdout
         assert "ENABLED True" in result.stdout, result.stdout + result.stderr[-2000:]

@@ -7,8 +7,8 @@ import pytest
 nemo_run = pytest.importorskip(
     "nemo_run", reason="nemo_run is not installed (or not importable): the plugin needs it")
 
-from megapatch import options  # noqa: E402
-from megapatch.errors import OptionError  # noqa: E402
+from megapatch.core import options  # noqa: E402
+from megapatch.core.errors import OptionError  # noqa: E402
 from megapatch.integrations.nemo_run import MegapatchPlugin  # noqa: E402
 
 

@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from megapatch import options, run
+from megapatch.core import options
+from megapatch.commands import launcher
 from conftest import REPO
 
 
@@ -19,37 +20,37 @@ def _launch(args, env_extra=None, timeout=180, cwd=REPO):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
     env["PYTHONWARNINGS"] = "ignore"
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "megapatch.run", *args], env=env, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "megapatch.commands.launcher", *args], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_option_has_a_flag_that_sets_its_variable():
-    parser = run.parser()
+    parser = launcher.parser()
     flags = {a.dest: a.option_strings for a in parser._actions}
     for option in options.OPTIONS:
         flag = "--" + option.name.replace("_", "-")
         assert flag in flags[option.name], option.name
-        is_bool = option.boolean or getattr(option, "kind", "") == "boolean"
+        is_bool = option.kind == "boolean"
         if is_bool:
             assert "--no-" + option.name.replace("_", "-") in flags[option.name]
             args = parser.parse_args([flag, "python"])
-            assert run.environment(args, base={})[option.env] == "1"
+            assert launcher.environment(args, base={})[option.env] == "1"
             args = parser.parse_args(["--no-" + flag[2:], "python"])
-            assert run.environment(args, base={})[option.env] == "0"
+            assert launcher.environment(args, base={})[option.env] == "0"
     args = parser.parse_args(["--tp-reduce-dtype", "fp32", "--logits-dtype", "float32", "torchrun",
                               "--nproc-per-node", "2", "train.py", "--tp-reduce-dtype", "x"])
-    env = run.environment(args, base={"PYTHONPATH": "/elsewhere", "MEGAPATCH_STRICT": "0"})
+    env = launcher.environment(args, base={"PYTHONPATH": "/elsewhere", "MEGAPATCH_STRICT": "0"})
     assert env["MEGAPATCH_TP_REDUCE_DTYPE"] == "fp32"
     assert env["MEGAPATCH_LOGITS_DTYPE"] == "float32"  # the child parses it as megapatch does
     assert env["MEGAPATCH_STRICT"] == "0"  # kept: no flag overrides it
-    assert env["PYTHONPATH"].split(os.pathsep) == [run.BOOTSTRAP_DIR, "/elsewhere"]
+    assert env["PYTHONPATH"].split(os.pathsep) == [launcher.BOOTSTRAP_DIR, "/elsewhere"]
     # the command keeps its own arguments, even ones that look like megapatch-run's
     assert args.command == ["torchrun", "--nproc-per-node", "2", "train.py", "--tp-reduce-dtype", "x"]
 
 
 def test_bootstrap_dir_holds_only_sitecustomize():
     """The directory goes first on sys.path of every process: it must shadow nothing else."""
-    shipped = [n for n in os.listdir(run.BOOTSTRAP_DIR) if n != "__pycache__"]
+    shipped = [n for n in os.listdir(launcher.BOOTSTRAP_DIR) if n != "__pycache__"]
     assert shipped == ["sitecustomize.py"]
 
 
@@ -82,7 +83,7 @@ def test_activates_once_where_pth_and_sitecustomize_both_run(tmp_path):
     code = textwrap.dedent("""
         import sys
         triggers = sum(getattr(f, "megapatch_trigger", False) for f in sys.meta_path)
-        import megapatch.engine as engine
+        import megapatch.core.engine as engine
         calls = []
         enable = engine.enable
         engine.enable = lambda *a, **k: (calls.append(a or k), enable(*a, **k))[1]
@@ -97,7 +98,7 @@ def test_activates_once_where_pth_and_sitecustomize_both_run(tmp_path):
     result = _launch(["--tp-reduce-dtype", "fp32", "sh", "-c", f'"{sys.executable}" "{script}"'])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "TRIGGERS 1 ENABLES 1" in result.stdout
-    assert os.path.join("bootstrap", "sitecustomize.py") in result.stdout
+    assert os.path.join("launcher_site", "sitecustomize.py") in result.stdout
     assert "tp_reduce.megatron_core" in result.stdout
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import megapatch
-from megapatch import engine, patching
-from megapatch.errors import UpstreamSurfaceError
+from megapatch.core import engine, wrappers
+from megapatch.core.errors import UpstreamSurfaceError
 
 from conftest import run_python
 
@@ -42,8 +42,8 @@ def test_enable_after_import_wraps_every_target_once():
     report = status.patch("tp_reduce.megatron_core")
     assert report.state == "active"
     assert "megatron.core.tensor_parallel.mappings._reduce" in report.targets
-    assert patching.is_megapatch_wrapper(mappings._reduce)
-    assert not patching.is_megapatch_wrapper(mappings._reduce.__wrapped__)
+    assert wrappers.is_megapatch_wrapper(mappings._reduce)
+    assert not wrappers.is_megapatch_wrapper(mappings._reduce.__wrapped__)
 
 
 def test_enable_twice_and_reconfigure_never_double_wraps():
@@ -75,7 +75,7 @@ def test_from_import_aliases_follow_and_are_restored():
     sys.modules[holder.__name__] = holder
     try:
         status = megapatch.enable(tp_reduce_dtype="fp32")
-        assert holder._reduce is mappings._reduce and patching.is_megapatch_wrapper(holder._reduce)
+        assert holder._reduce is mappings._reduce and wrappers.is_megapatch_wrapper(holder._reduce)
         assert "user_code_holding_alias._reduce" in status.patch("tp_reduce.megatron_core").aliases
         late = types.ModuleType("user_code_imported_later")
         late._reduce = mappings._reduce  # copied the wrapper after enable()
@@ -110,7 +110,7 @@ def test_changed_upstream_surface_is_refused_in_strict_mode(monkeypatch):
     assert "expected it to start with (input_, group)" in message
     assert "megatron-core 0." in message and "torch 2." in message
     assert not megapatch.is_enabled() or megapatch.status().active == []
-    assert not patching.is_megapatch_wrapper(layers.dist_reduce_scatter_func)  # nothing half-applied
+    assert not wrappers.is_megapatch_wrapper(layers.dist_reduce_scatter_func)  # nothing half-applied
 
 
 def test_changed_upstream_surface_is_skipped_with_a_warning_when_not_strict(monkeypatch, caplog):
@@ -121,7 +121,7 @@ def test_changed_upstream_surface_is_skipped_with_a_warning_when_not_strict(monk
     assert len(logged) == 1 and "mappings._reduce takes" in logged[0] and "skipped" in logged[0]
     report = status.patch("tp_reduce.megatron_core")
     assert report.state == "skipped" and "_reduce takes (tensor, process_group)" in report.reason
-    assert not patching.is_megapatch_wrapper(layers.dist_reduce_scatter_func)
+    assert not wrappers.is_megapatch_wrapper(layers.dist_reduce_scatter_func)
 
 
 def test_missing_upstream_symbol_names_the_path(monkeypatch):
@@ -142,14 +142,14 @@ def test_status_prints_a_table_and_serialises():
 
 CHECK = """
 import json, megapatch, torch
-from megapatch import patching
+from megapatch.core import wrappers
 from megatron.core.tensor_parallel import mappings, layers
-wrapped = patching.is_megapatch_wrapper(mappings._reduce)
-double = wrapped and patching.is_megapatch_wrapper(mappings._reduce.__wrapped__)
+wrapped = wrappers.is_megapatch_wrapper(mappings._reduce)
+double = wrapped and wrappers.is_megapatch_wrapper(mappings._reduce.__wrapped__)
 print(json.dumps({"wrapped": wrapped, "double": double,
                   "active": megapatch.status().active,
-                  "row": patching.is_megapatch_wrapper(layers.RowParallelLinear.__dict__["forward"]),
-                  "all_reduce": patching.is_megapatch_wrapper(torch.distributed.all_reduce)}))
+                  "row": wrappers.is_megapatch_wrapper(layers.RowParallelLinear.__dict__["forward"]),
+                  "all_reduce": wrappers.is_megapatch_wrapper(torch.distributed.all_reduce)}))
 """
 
 ORDERINGS = {
@@ -198,7 +198,7 @@ def test_hook_registered_before_disable_does_nothing_after_it():
 def test_non_strict_never_raises_from_the_users_import():
     result = run_python("""
         import megapatch, sys, types
-        from megapatch import engine, registry
+        from megapatch.core import engine, registry
         broken = registry.Target("megatron.core.tensor_parallel.mappings", "no_such_symbol", lambda *a: None)
         patch = engine.patches()[-1]
         import dataclasses
@@ -215,7 +215,7 @@ def test_non_strict_never_raises_from_the_users_import():
 def test_strict_raises_from_the_import_with_the_symbol_path():
     result = run_python("""
         import megapatch, dataclasses
-        from megapatch import engine, registry
+        from megapatch.core import engine, registry
         broken = registry.Target("megatron.core.tensor_parallel.mappings", "no_such_symbol", lambda *a: None)
         engine._patches = tuple(dataclasses.replace(p, targets=p.targets + (broken,)) if p.name == "tp_reduce.megatron_core" else p
                                 for p in engine.patches())

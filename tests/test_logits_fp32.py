@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import megapatch
-from megapatch.errors import UnsupportedConfigurationError
+from megapatch.core.errors import UnsupportedConfigurationError
 from megapatch.testing import run_ranks
 
 VOCAB, SEQ = 128, 16
@@ -23,7 +23,7 @@ def _integer_exact(ctx, ks, gather_output):
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megapatch.testing import gather_tp_logits
-    from megapatch.patches.logits_fp32 import lm_head
+    from megapatch.patches.logits import lm_head
 
     found = []
     for k in ks:
@@ -229,7 +229,7 @@ def test_the_marked_layer_must_run_or_the_model_call_fails():
 
 
 def _unmarked_call(ctx):
-    from megapatch.patches.logits_fp32 import lm_head
+    from megapatch.patches.logits import lm_head
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
     megapatch.enable(logits_dtype="fp32")
@@ -307,7 +307,7 @@ def _frozen_head(ctx):
     """LinearWithFrozenWeight path (frozen output weight): same dgrad given the same BF16 gradient."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
-    from megapatch.patches.logits_fp32 import lm_head
+    from megapatch.patches.logits import lm_head
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8,
                                tensor_model_parallel_size=ctx.tp_size, params_dtype=torch.bfloat16,

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import megapatch
-from megapatch import options
-from megapatch.errors import OptionError, OptionUnavailableError
+from megapatch.core import options
+from megapatch.core.errors import OptionError, OptionUnavailableError
 
 
 def test_defaults_are_native():
@@ -72,7 +72,7 @@ def test_unknown_keyword_is_a_type_error():
 
 
 def test_option_without_a_patch_is_not_available_yet(monkeypatch):
-    from megapatch import engine
+    from megapatch.core import engine
 
     kept = tuple(p for p in engine.patches() if p.option != "tp_reduce_dtype")
     monkeypatch.setattr(engine, "_patches", kept)

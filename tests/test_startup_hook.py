@@ -1,4 +1,4 @@
-"""The startup hook (megapatch-startup.pth -> megapatch._bootstrap): nothing heavy until megatron is
+"""The startup hook (megapatch-startup.pth -> megapatch.core.startup): nothing heavy until megatron is
 imported, then activation from the environment, once; errors only in the process importing megatron.
 
 Each test runs a fresh interpreter of this environment, where pip installed megapatch (and so its
@@ -13,7 +13,7 @@ from conftest import REPO, run_python
 
 FP32 = {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}
 # what the hook itself may add to a process that never imports megatron
-HOOK_MODULES = {"megapatch", "megapatch._bootstrap", "megapatch.errors"}
+HOOK_MODULES = {"megapatch", "megapatch.core", "megapatch.core.startup", "megapatch.core.errors"}
 STATUS = """
 import megapatch
 s = megapatch.status()
@@ -35,7 +35,7 @@ def test_a_variable_alone_imports_nothing_heavy():
     hooked, triggers = _modules(FP32)
     assert no_trigger == 0 and triggers == 1  # the hook ran, and installed one finder
     assert hooked - plain <= HOOK_MODULES, sorted(hooked - plain - HOOK_MODULES)
-    for heavy in ("wrapt", "megapatch.engine", "megapatch.options", "importlib.metadata", "asyncio",
+    for heavy in ("wrapt", "megapatch.core.engine", "megapatch.core.options", "importlib.metadata", "asyncio",
                   "torch", "logging"):
         assert heavy not in hooked
 
@@ -43,9 +43,9 @@ def test_a_variable_alone_imports_nothing_heavy():
 def test_activates_after_megatron_core_is_imported():
     result = run_python(textwrap.dedent("""
         import sys
-        assert "megapatch.engine" not in sys.modules
+        assert "megapatch.core.engine" not in sys.modules
         import megatron.core
-        assert "megapatch.engine" in sys.modules
+        assert "megapatch.core.engine" in sys.modules
     """) + STATUS, env=FP32)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ENABLED True" in result.stdout
@@ -121,4 +121,4 @@ def test_startup_pth_calls_the_bootstrap():
     with open(os.path.join(REPO, "megapatch-startup.pth")) as f:
         line = f.read().strip()
     assert line.startswith("import ") and "\n" not in line  # site runs one import line
-    assert "megapatch._bootstrap" in line and "activate_from_environment" in line
+    assert "megapatch.core.startup" in line and "activate_from_environment" in line

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from megapatch import lock
-from megapatch.registry import Target
-from megapatch.versions import version_of
+from megapatch.commands import lock
+from megapatch.core.registry import Target
+from megapatch.core.upstream_versions import version_of
 
 
 def test_installed_megatron_core_matches_its_lock():

@@ -1,4 +1,4 @@
-"""The TE wiring verdict is computed once per TE installation (megapatch.te_verdict): a later
+"""The TE wiring verdict is computed once per TE installation (megapatch.te_check.verdict): a later
 process reads it without importing the static checker; another TE (or an edited file) is checked
 again; an unwritable cache means checking every time, never an error."""
 
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megapatch import te_verdict, te_wiring
+from megapatch.te_check import verdict, wiring
+from megapatch.patches import tp_reduce_transformer_engine as SPEC
 from conftest import run_python
 
 
@@ -23,33 +24,33 @@ def te_tree(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     calls = []
 
-    def check(sources):
+    def check(sources, spec):
         calls.append(sources.label)
         return [f"problem seen in {len(sources.files('transformer_engine/pytorch/'))} files"]
 
-    monkeypatch.setattr(te_wiring, "check", check)
+    monkeypatch.setattr(wiring, "check", check)
     return root, calls
 
 
 def test_checked_once_then_read_from_the_cache(te_tree):
     root, calls = te_tree
-    first, origin = te_verdict.verdict(str(root))
+    first, origin = verdict.verdict(str(root), SPEC)
     assert origin == "checked" and first == ("problem seen in 2 files",) and len(calls) == 1
-    again, origin = te_verdict.verdict(str(root))
+    again, origin = verdict.verdict(str(root), SPEC)
     assert origin.startswith("cache ") and again == first and len(calls) == 1
 
 
 def test_another_installation_or_an_edited_file_is_checked_again(te_tree):
     root, calls = te_tree
-    te_verdict.verdict(str(root))
+    verdict.verdict(str(root), SPEC)
     linear = root / "transformer_engine" / "pytorch" / "module" / "linear.py"
     linear.write_text(linear.read_text() + "# edited\n")  # a patched TE in place
-    _, origin = te_verdict.verdict(str(root))
+    _, origin = verdict.verdict(str(root), SPEC)
     assert origin == "checked" and len(calls) == 2
     (root / "transformer_engine" / "pytorch" / "extra.py").write_text("")  # a file added
-    _, origin = te_verdict.verdict(str(root))
+    _, origin = verdict.verdict(str(root), SPEC)
     assert origin == "checked" and len(calls) == 3
-    _, origin = te_verdict.verdict(str(root))
+    _, origin = verdict.verdict(str(root), SPEC)
     assert origin.startswith("cache ") and len(calls) == 3
 
 
@@ -59,7 +60,7 @@ def test_unwritable_cache_checks_every_time(te_tree, tmp_path, monkeypatch):
     blocker.write_text("")  # a file where the cache directory would go
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     for expected in (1, 2):
-        problems, origin = te_verdict.verdict(str(root))
+        problems, origin = verdict.verdict(str(root), SPEC)
         assert problems and origin.startswith("checked (not cached:") and len(calls) == expected
 
 
@@ -69,8 +70,9 @@ def test_a_cached_verdict_never_imports_the_checker(te_tree, tmp_path):
            "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]}
     code = """
         import sys
-        from megapatch import te_verdict
-        print(repr(te_verdict.installed_problem()), "megapatch.te_wiring" in sys.modules)
+        from megapatch.te_check import verdict
+        from megapatch.patches import tp_reduce_transformer_engine as spec
+        print(repr(verdict.installed_problem(spec)), "megapatch.te_check.wiring" in sys.modules)
     """
     first = run_python(code, env=env)  # the real checker: the stand-in tree is not wired as TE is
     assert first.returncode == 0, first.stderr[-3000:]
@@ -78,4 +80,4 @@ def test_a_cached_verdict_never_imports_the_checker(te_tree, tmp_path):
     later = run_python(code, env=env)
     assert later.returncode == 0, later.stderr[-3000:]
     assert later.stdout == first.stdout.replace(" True\n", " False\n")
-    assert sys.modules.get("megapatch.te_wiring") is te_wiring  # (this process: untouched)
+    assert sys.modules.get("megapatch.te_check.wiring") is wiring  # (this process: untouched)

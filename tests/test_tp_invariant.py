@@ -88,7 +88,7 @@ def _fp32_logits(ctx, shape):
 
 
 def _refusal(ctx, shape, **overrides):
-    from megapatch.errors import UnsupportedConfigurationError
+    from megapatch.core.errors import UnsupportedConfigurationError
 
     model = _model(ctx, shape, **overrides)
     batch = _batch(shape, 0)
@@ -258,7 +258,7 @@ def test_sequence_parallelism_is_refused_with_the_reason(runs):
 # -- in-process checks (no ranks) ------------------------------------------------------------------
 
 def test_tree_sum_adds_adjacent_pairs_level_by_level():
-    from megapatch.tp_invariant import invariant_sum, tree_sum
+    from megapatch.numerics.block_tree import invariant_sum, tree_sum
 
     big = torch.tensor([2.0 ** 24])
     one = torch.tensor([1.0])
@@ -281,7 +281,7 @@ class _Group:
 
 @pytest.fixture
 def invariant_settings(monkeypatch):
-    from megapatch import options, state
+    from megapatch.core import options, state
 
     def use(width):
         monkeypatch.setattr(state, "_current", options.Settings(tp_invariant=True, tp_invariant_width=width))
@@ -289,8 +289,8 @@ def invariant_settings(monkeypatch):
 
 
 def test_a_tp_size_that_does_not_divide_the_width_is_refused(invariant_settings):
-    from megapatch.errors import OptionError
-    from megapatch.tp_invariant import blocks_per_rank, check_divisible
+    from megapatch.core.errors import OptionError
+    from megapatch.numerics.block_tree import blocks_per_rank, check_divisible
 
     invariant_settings(4)
     assert blocks_per_rank(_Group(2)) == 2 and blocks_per_rank(_Group(4)) == 1
@@ -303,8 +303,8 @@ def test_a_tp_size_that_does_not_divide_the_width_is_refused(invariant_settings)
 
 @pytest.mark.parametrize("value", ["3", "0", "-8", "eight", "1.5"])
 def test_invalid_widths_are_refused_naming_the_variable_and_choices(value):
-    from megapatch import options
-    from megapatch.errors import OptionError
+    from megapatch.core import options
+    from megapatch.core.errors import OptionError
 
     with pytest.raises(OptionError, match=r"MEGAPATCH_TP_INVARIANT_WIDTH=.*valid choices: 1, 2, 4, 8, 16"):
         options.resolve({}, {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_TP_INVARIANT_WIDTH": value})
@@ -314,7 +314,7 @@ def test_invalid_widths_are_refused_naming_the_variable_and_choices(value):
 
 def test_combining_with_fp32_reductions_is_refused():
     import megapatch
-    from megapatch.errors import OptionError
+    from megapatch.core.errors import OptionError
 
     try:
         with pytest.raises(OptionError, match="tp_invariant=True cannot be combined with tp_reduce_dtype="):

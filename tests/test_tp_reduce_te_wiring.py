@@ -1,8 +1,8 @@
-"""The Transformer Engine patch (``patches/tp_reduce_te.py``), tested without a GPU.
+"""The Transformer Engine patch (``patches/tp_reduce_transformer_engine.py``), tested without a GPU.
 
 1. Static wiring, every claimed TE release (runs everywhere; never skipped): the Python sources of
    ``transformer_engine-<v>-py3-none-any.whl`` for every version in
-   ``megapatch/te_wiring_versions.json`` are checked with ``megapatch.te_wiring.check``, driven
+   ``tools/te_wiring_versions.json`` are checked with ``megapatch.te_check.wiring.check``, driven
    by the patch's own ``PATCHES`` targets and declared wiring. The wheels are downloaded into
    ``~/.cache/megapatch/te-src`` when missing (~15 MB, seconds); a failed download fails the test.
    The check itself is tested: edits of the 2.20.2 sources that break what a wrapper relies on
@@ -32,14 +32,15 @@ import torch
 import wrapt
 
 import megapatch
-from megapatch import te_wiring
-from megapatch.errors import UnsupportedConfigurationError, UpstreamSurfaceError
-from megapatch.patches import tp_reduce_te as te_patch
+from megapatch.te_check import wiring
+import te_releases  # tools/ (on sys.path through conftest)
+from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurfaceError
+from megapatch.patches import tp_reduce_transformer_engine as te_patch
 from megapatch.testing import run_ranks
 
 from conftest import run_python
 
-CLAIMED = te_wiring.claimed_versions()
+CLAIMED = te_releases.claimed_versions()
 PATCH = te_patch.PATCHES[0]
 
 
@@ -66,13 +67,13 @@ BF16 = torch.bfloat16
 @pytest.fixture(scope="module")
 def te_wheels():
     try:
-        return te_wiring.ensure_wheels(CLAIMED, fetch=True)
+        return te_releases.ensure_wheels(CLAIMED, fetch=True)
     except Exception as exc:  # noqa: BLE001 -- any failure to get the sources fails, never skips
         pytest.fail(
             f"The static TE wiring check needs the source wheels of every claimed TE release and "
             f"could not get them (this check must not be skipped):\n{exc}\n"
             f"Fetch them with `python tools/te_wiring_check.py --download` (cache "
-            f"{te_wiring.cache_dir()}; set {te_wiring.CACHE_ENV} to use another folder).",
+            f"{te_releases.cache_dir()}; set {te_releases.CACHE_ENV} to use another folder).",
             pytrace=False)
 
 
@@ -87,17 +88,17 @@ def test_failed_or_corrupt_download_is_an_error(tmp_path, monkeypatch):
     def fail(version, dest, timeout=120):
         raise RuntimeError("pip download failed: no network")
 
-    monkeypatch.setattr(te_wiring, "download", fail)
+    monkeypatch.setattr(te_releases, "download", fail)
     with pytest.raises(RuntimeError, match="TE 2.20.2: pip download failed"):
-        te_wiring.ensure_wheels({"2.20.2": CLAIMED["2.20.2"]}, dest=str(tmp_path))
-    (tmp_path / te_wiring.wheel_name("2.20.2")).write_bytes(b"not the wheel")
+        te_releases.ensure_wheels({"2.20.2": CLAIMED["2.20.2"]}, dest=str(tmp_path))
+    (tmp_path / te_releases.wheel_name("2.20.2")).write_bytes(b"not the wheel")
     with pytest.raises(RuntimeError, match="sha256"):
-        te_wiring.ensure_wheels({"2.20.2": CLAIMED["2.20.2"]}, dest=str(tmp_path), fetch=False)
+        te_releases.ensure_wheels({"2.20.2": CLAIMED["2.20.2"]}, dest=str(tmp_path), fetch=False)
 
 
 @pytest.mark.parametrize("version", list(CLAIMED))
 def test_release_is_wired_as_the_patch_relies_on(te_wheels, version):
-    problems = te_wiring.check(te_wiring.Sources.wheel(te_wheels[version], version))
+    problems = wiring.check(wiring.Sources.wheel(te_wheels[version], version), te_patch)
     assert problems == [], f"TE {version}:\n" + "\n".join(problems)
 
 
@@ -106,9 +107,9 @@ def test_every_target_is_checked_in_every_release(te_wheels):
     targets = [t for t in PATCH.targets]
     assert targets and all(t.module.startswith("transformer_engine.pytorch.") for t in targets)
     for version, path in te_wheels.items():
-        src = te_wiring.Sources.wheel(path, version)
+        src = wiring.Sources.wheel(path, version)
         for t in targets:
-            kind, fn = te_wiring.resolve_attr(src, t.module, t.attr)
+            kind, fn = wiring.resolve_attr(src, t.module, t.attr)
             assert fn is not None and kind == t.kind, (version, t.path, kind)
 
 
@@ -164,9 +165,9 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_check_reports_broken_wiring(te_wheels, name):
     file, old, new, expected = MUTATIONS[name]
-    src = te_wiring.Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    src = wiring.Sources.wheel(te_wheels["2.20.2"], "2.20.2")
     edited = src.with_edit(f"transformer_engine/pytorch/{file}", old, new, count=-1 if "ub_bulk" in old else 1)
-    problems = te_wiring.check(edited)
+    problems = wiring.check(edited, te_patch)
     assert any(expected in p for p in problems), f"{name}: {problems}"
 
 
@@ -184,7 +185,7 @@ def test_declared_wiring_and_targets_agree():
     assert by_module[te_patch.FUSER] == {"OperationFuser.__call__"}
     assert PATCH.hook == "transformer_engine.pytorch" and PATCH.package == "transformer-engine"
     assert PATCH.option == "tp_reduce_dtype"
-    from megapatch.options import Settings as opts
+    from megapatch.core.options import Settings as opts
     assert PATCH.applies(opts(tp_reduce_dtype="fp32")) and PATCH.applies(opts(tp_reduce_dtype="fp32-accumulate"))
     assert not PATCH.applies(opts(tp_reduce_dtype="native"))
 
@@ -499,7 +500,7 @@ def test_live_patch_wraps_exactly_the_declared_targets_and_disable_restores():
         from transformer_engine.pytorch.module import linear, layernorm_linear, layernorm_mlp
         from transformer_engine.pytorch.attention.dot_product_attention import context_parallel as cp
         from transformer_engine.pytorch.ops import fuser
-        from megapatch.patching import is_megapatch_wrapper
+        from megapatch.core.wrappers import is_megapatch_wrapper
         report = megapatch.status().patch("tp_reduce.transformer_engine")
         mods = (linear, layernorm_linear, layernorm_mlp)
         names = ("allreduce", "reduce_scatter_along_first_dim", "symmetric_all_reduce", "general_gemm")

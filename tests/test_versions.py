@@ -10,8 +10,8 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 import megapatch
-from megapatch import engine, versions
-from megapatch.registry import Patch
+from megapatch.core import engine, upstream_versions
+from megapatch.core.registry import Patch
 
 
 def test_imported_module_wins_over_distribution_metadata(monkeypatch):
@@ -20,14 +20,14 @@ def test_imported_module_wins_over_distribution_metadata(monkeypatch):
     info.__version__ = "0.99.0rc1"  # a checkout imported in place of the wheel
     monkeypatch.setitem(sys.modules, "megatron.core", types.ModuleType("megatron.core"))
     monkeypatch.setitem(sys.modules, "megatron.core.package_info", info)
-    assert versions.version_info("megatron-core") == ("0.99.0rc1", "imported megatron.core.package_info")
+    assert upstream_versions.version_info("megatron-core") == ("0.99.0rc1", "imported megatron.core.package_info")
     assert wheel != "0.99.0rc1"
 
 
 def test_not_imported_reads_the_file_import_would_load(monkeypatch):
     for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
         monkeypatch.delitem(sys.modules, name)
-    version, origin = versions.version_info("megatron-core")
+    version, origin = upstream_versions.version_info("megatron-core")
     assert version == importlib.metadata.version("megatron-core")
     assert origin.startswith("file ") and origin.endswith("package_info.py")
     assert "megatron.core" not in sys.modules  # found without importing it
@@ -42,27 +42,27 @@ def test_not_imported_reads_the_file_import_would_load(monkeypatch):
     ("not-a-version", ">=0", False),
 ])
 def test_in_range(version, specifier, inside):
-    assert versions.in_range(version, specifier) is inside
+    assert upstream_versions.in_range(version, specifier) is inside
 
 
 def test_every_patch_declares_a_valid_range_that_names_its_package():
     for patch in engine.patches():
-        supports = versions.supported_range(patch)
+        supports = upstream_versions.supported_range(patch)
         assert patch.package in supports, patch.name
         for package, specifier in supports.items():
             SpecifierSet(specifier)  # raises when malformed
-            assert package in versions.installed_versions(), package
+            assert package in upstream_versions.installed_versions(), package
 
 
 def test_outside_the_range_warns_once_and_never_refuses(caplog):
     patch = Patch(name="test.only", option=None, summary="", hook="megatron.core", targets=(),
                   applies=lambda s: True, supports={"megatron-core": ">=99"})
-    lines = versions.outside_range(patch)
-    assert lines == [f"megatron-core {versions.version_of('megatron-core')} is outside test.only's "
+    lines = upstream_versions.outside_range(patch)
+    assert lines == [f"megatron-core {upstream_versions.version_of('megatron-core')} is outside test.only's "
                      f"supported range >=99"]
     with caplog.at_level(logging.WARNING, logger="megapatch"):
-        versions.warn_if_unsupported(patch)
-        versions.warn_if_unsupported(patch)
+        upstream_versions.warn_if_unsupported(patch)
+        upstream_versions.warn_if_unsupported(patch)
     assert [r.getMessage() for r in caplog.records].count(
         f"megapatch: {lines[0]} (untested there; the upstream surface it wraps checked out)") == 1
 
@@ -70,5 +70,5 @@ def test_outside_the_range_warns_once_and_never_refuses(caplog):
 def test_status_shows_each_patchs_range():
     status = megapatch.status()
     for patch in engine.patches():
-        assert status.patch(patch.name).supports == versions.supported_range(patch)
-    assert status.as_dict()["patches"][0]["supports"] == versions.supported_range(engine.patches()[0])
+        assert status.patch(patch.name).supports == upstream_versions.supported_range(patch)
+    assert status.as_dict()["patches"][0]["supports"] == upstream_versions.supported_range(engine.patches()[0])

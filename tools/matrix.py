@@ -9,7 +9,7 @@ Phases (each idempotent, each can be run alone):
               hard-linked from uv's cache, else venv+pip)
   test      - install the project (non-editable wheel build, offline) into the cell venv, run
               `megapatch doctor` (per-patch surface verdict) and pytest; write results/<cell>.json
-  lock      - record each cell's patch-surface lock into megapatch/surface_lock/ (after review)
+  lock      - record each cell's patch-surface lock into megapatch/commands/surface_lock/ (after review)
   report    - write the supported-versions table into README.md from results/*.json
 
 Examples:
@@ -203,7 +203,7 @@ class Runner:
         t_inst = self.sh([*inst, proj], log)
         if self.a.update_locks:  # record this cell's lock into the repo, then ship it in the wheel
             self.sh([py, "-m", "megapatch", "lock", "--update", "--lock-dir",
-                     proj / "megapatch" / "surface_lock"], log, cwd="/")
+                     proj / "megapatch" / "commands" / "surface_lock"], log, cwd="/")
             self.sh([*inst, proj], log)
         doctor = subprocess.run([py, "-m", "megapatch", "doctor"], cwd="/", env=self.env,
                                 capture_output=True, text=True, timeout=600)
@@ -230,7 +230,7 @@ class Runner:
                 print(f"{c.id}: no environment (run build first)")
                 continue
             p = subprocess.run([d / "bin" / "python", "-m", "megapatch", "lock", "--update",
-                                "--lock-dir", proj / "megapatch" / "surface_lock"],
+                                "--lock-dir", proj / "megapatch" / "commands" / "surface_lock"],
                                cwd="/", env=self.env, capture_output=True, text=True)
             print(c.id, (p.stdout + p.stderr).strip().replace("\n", "; "))
         return 0
@@ -396,7 +396,7 @@ def main():
     ap.add_argument("--cell-timeout", type=int, default=1200)
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--update-locks", action="store_true",
-                    help="record each cell's patch-surface lock into megapatch/surface_lock/ before testing")
+                    help="record each cell's patch-surface lock into megapatch/commands/surface_lock/ before testing")
     ap.add_argument("--subset", action="store_true",
                     help="run the per-patch subset (SUBSET in this file) instead of the pytest args")
     ap.add_argument("pytest_args", nargs="*", default=[])

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional
 
 import nemo_run as run
 
-from .. import options as _options
+from megapatch.core import options as _options
 
 
 def environment(values: Dict[str, Any]) -> Dict[str, str]:

@@ -293,14 +293,27 @@ def _resolve(workaround: Workaround) -> Optional[Tuple[Any, str]]:
     return owner, leaf
 
 
-def restore_attributes(saved: List[Tuple[Any, str, Any, bool]]) -> None:
-    """Undoes ``(owner, name, original, owner had its own attribute)`` replacements, last first."""
-    while saved:
-        owner, leaf, original, had_own = saved.pop()
-        if had_own:
-            setattr(owner, leaf, original)
-        else:
-            delattr(owner, leaf)
+class Replacements:
+    """Attributes replaced by CPU stand-ins, and how to put each back: the one apply/restore
+    mechanism of ``cpu_workarounds`` and ``megatron_lm_workarounds``."""
+
+    def __init__(self) -> None:
+        self._saved: List[Tuple[Any, str, Any, bool]] = []
+
+    def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        """``owner.name = make(original)``, remembering the original (own or inherited)."""
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original, name in vars(owner)))
+        setattr(owner, name, make(original))
+
+    def restore(self) -> None:
+        """Undoes every replacement, last first."""
+        while self._saved:
+            owner, name, original, had_own = self._saved.pop()
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
 
 
 class _PatchState:
@@ -309,7 +322,7 @@ class _PatchState:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.depth = 0
-        self.saved: List[Tuple[Any, str, Any, bool]] = []
+        self.replacements = Replacements()
         self.log_filter = _SuppressCpuRngWarning()
         self.local = threading.local()
 
@@ -332,10 +345,7 @@ class _PatchState:
                 if target is None:
                     continue
                 owner, leaf = target
-                had_own = leaf in vars(owner)
-                original = getattr(owner, leaf)
-                self.saved.append((owner, leaf, original, had_own))
-                setattr(owner, leaf, workaround.make(original))
+                self.replacements.replace(owner, leaf, workaround.make)
             logging.getLogger(_RANDOM_MODULE).addFilter(self.log_filter)
         except BaseException:
             self._restore()
@@ -343,7 +353,7 @@ class _PatchState:
 
     def _restore(self) -> None:
         logging.getLogger(_RANDOM_MODULE).removeFilter(self.log_filter)
-        restore_attributes(self.saved)
+        self.replacements.restore()
 
 
 _STATE = _PatchState()

@@ -30,7 +30,7 @@ USAGE = "usage: torchrun [torchrun options] -m megapatch.testing.cpu_launch SCRI
 def _banner(script: str) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
-    from . import cpu_compat, megatron_lm_compat
+    from megapatch.testing import cpu_compat, megatron_lm_compat
 
     count = len(cpu_compat.WORKAROUNDS) + len(megatron_lm_compat.WORKAROUNDS) + 2
     print(f"megapatch.testing.cpu_launch: running {script} on CPU ranks with {count} CUDA "
@@ -53,8 +53,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     sys.path[0] = os.path.dirname(script)
     _banner(script)
 
-    from .cpu_compat import cpu_workarounds
-    from .megatron_lm_compat import megatron_lm_workarounds
+    from megapatch.testing.cpu_compat import cpu_workarounds
+    from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds
 
     with megatron_lm_workarounds(), cpu_workarounds():
         runpy.run_path(script, run_name="__main__")

@@ -118,6 +118,7 @@ class _RankSpec:
     workarounds: bool
     parallel_kwargs: Dict[str, Any]
     stderr_dir: Optional[str] = None
+    backend: str = "gloo"
 
 
 # --- megatron parallel state ----------------------------------------------------
@@ -214,14 +215,16 @@ def _write_report(tmpdir: str, rank: int, status: str, payload: Any) -> None:
 
 
 def _run_user_fn(spec: _RankSpec, payload: bytes) -> Any:
-    """Joins the gloo job, sets up megatron and calls the user function."""
+    """Joins the job (gloo; nccl with one GPU per rank), sets up megatron, calls the user function."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank)
     fn, args, kwargs = pickle.loads(payload)
     store = dist.FileStore(os.path.join(spec.tmpdir, "store"), spec.world_size)
-    dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size,
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=timedelta(seconds=spec.timeout_s))
     ctx = RankContext(rank=spec.rank, world_size=spec.world_size, tmpdir=spec.tmpdir)
     if not spec.init_megatron:
@@ -230,7 +233,7 @@ def _run_user_fn(spec: _RankSpec, payload: bytes) -> Any:
     ctx = _megatron_context(ctx)
     guard = contextlib.nullcontext()
     if spec.workarounds:
-        from .cpu_compat import cpu_workarounds
+        from megapatch.testing.cpu_compat import cpu_workarounds
 
         guard = cpu_workarounds()
     with guard:
@@ -406,6 +409,7 @@ def run_ranks(
     workarounds: bool = True,
     parallel_kwargs: Optional[Mapping[str, Any]] = None,
     stderr_dir: Optional[str] = None,
+    backend: str = "gloo",
 ) -> List[Any]:
     """Runs ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned CPU ranks.
 
@@ -420,11 +424,14 @@ def run_ranks(
     :func:`cpu_workarounds`.  ``timeout`` (seconds) bounds the whole job,
     start-up included.  ``stderr_dir`` (an existing directory) receives each
     rank's stderr as ``rank{N}.stderr`` instead of the parent's (failures are
-    still raised with their tracebacks).  Returns the per-rank values in rank order; raises
+    still raised with their tracebacks).  ``backend="nccl"`` runs one rank per GPU (the GPU tests;
+    ``workarounds`` then stays off: CUDA is real).  Returns the per-rank values in rank order; raises
     :class:`RankFailure` / :class:`RankTimeout` as the module doc says.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}; valid: gloo, nccl")
     if init_megatron and world_size % (tp * pp) != 0:
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
@@ -435,8 +442,8 @@ def run_ranks(
         with _child_environment(env or {}):
             for rank in range(world_size):
                 spec = _RankSpec(rank, world_size, tp, pp, vpp, tmpdir, float(timeout), os.getpid(),
-                                 init_megatron, workarounds and init_megatron,
-                                 dict(parallel_kwargs or {}), stderr_dir)
+                                 init_megatron, workarounds and init_megatron and backend == "gloo",
+                                 dict(parallel_kwargs or {}), stderr_dir, backend)
                 proc = mp.Process(target=_rank_main, args=(spec, payload),
                                   name=f"megapatch-rank{rank}", daemon=True)
                 proc.start()

@@ -59,9 +59,9 @@ import inspect
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Iterator, Tuple
 
-from .cpu_compat import Workaround, restore_attributes
+from megapatch.testing.cpu_compat import Replacements, Workaround
 
 __all__ = ["megatron_lm_workarounds", "WORKAROUNDS", "TYPE_REPORT"]
 
@@ -227,7 +227,7 @@ class _Applied:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.saved: List[Tuple[Any, str, Any, bool]] = []
+        self.replacements = Replacements()
         self.active = False
 
     def replace(self, owner, workaround: Workaround) -> None:
@@ -237,12 +237,7 @@ class _Applied:
             raise RuntimeError(
                 f"megapatch.testing.cpu_launch: {workaround.module}.{workaround.attr} not found "
                 f"(needed for: {workaround.replaces}); this Megatron-LM is not supported")
-        original = getattr(owner, workaround.attr)
-        self.saved.append((owner, workaround.attr, original, workaround.attr in vars(owner)))
-        setattr(owner, workaround.attr, workaround.make(original))
-
-    def restore(self) -> None:
-        restore_attributes(self.saved)
+        self.replacements.replace(owner, workaround.attr, workaround.make)
 
 
 def _on_import(applied: _Applied, module_name: str,
@@ -279,4 +274,4 @@ def megatron_lm_workarounds() -> Iterator[None]:
     finally:
         with applied.lock:
             applied.active = False
-            applied.restore()
+            applied.replacements.restore()

@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .cpu_compat import cpu_workarounds
+from megapatch.testing.cpu_compat import cpu_workarounds
 
 __all__ = [
     "Batch",

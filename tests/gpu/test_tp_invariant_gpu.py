@@ -9,13 +9,10 @@ from (the property the design relies on for cuBLAS). Run: ``pytest -m gpu tests/
 
 from __future__ import annotations
 
-import os
-import pickle
-import tempfile
-import traceback
-
 import pytest
 import torch
+
+from megapatch.testing import run_ranks
 
 STEPS = 3
 CLIP = 0.05
@@ -37,7 +34,7 @@ needs_two = pytest.mark.skipif(_world() < 2, reason="needs 2+ CUDA GPUs (one per
 
 @needs_cuda
 def test_block_gemm_bits_do_not_depend_on_the_surrounding_tensor():
-    from megapatch.tp_invariant import f32
+    from megapatch.numerics.block_tree import f32
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 512, device="cuda", generator=gen).to(torch.bfloat16)
@@ -85,38 +82,19 @@ def _run(tp, mode):
     return result
 
 
-def _rank_main(rank, world, tmp):
-    try:
-        import torch.distributed as dist
-
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "store"), world),
-                                rank=rank, world_size=world)
-        results = {}
-        tp = 1
-        while tp <= world:
-            for mode in ("invariant", "native"):
-                results[(mode, tp)] = _run(tp, mode)
-            tp *= 2
-        dist.destroy_process_group()
-        payload = ("ok", results)
-    except BaseException:  # reported to the parent
-        payload = ("error", traceback.format_exc())
-    with open(os.path.join(tmp, f"rank{rank}"), "wb") as f:
-        pickle.dump(payload, f)
+def _all_runs(ctx):
+    results = {}
+    tp = 1
+    while tp <= ctx.world_size:
+        for mode in ("invariant", "native"):
+            results[(mode, tp)] = _run(tp, mode)
+        tp *= 2
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs():
-    import torch.multiprocessing as mp
-
-    world = _world()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(world, tmp), nprocs=world, start_method="spawn", join=True)
-        with open(os.path.join(tmp, "rank0"), "rb") as f:
-            status, payload = pickle.load(f)
-    assert status == "ok", payload
-    return payload
+    return run_ranks(_all_runs, _world(), init_megatron=False, backend="nccl", timeout=900)[0]
 
 
 def _differing(a, b):

@@ -17,13 +17,10 @@ row-parallel forward, none otherwise. Run: ``pytest -m gpu tests/gpu``.
 from __future__ import annotations
 
 import importlib.util
-import os
-import pickle
-import tempfile
-import traceback
-
 import pytest
 import torch
+
+from megapatch.testing import run_ranks
 
 WORLD = 2
 MODES = ("native", "fp32", "fp32-accumulate")
@@ -128,51 +125,32 @@ def _lnmlp(te):
     return {"out_dtype": str(y.dtype), "gemm_dtypes": [str(d) for d in dtypes]}
 
 
-def _rank_main(rank, tmp):
-    try:
-        import torch.distributed as dist
+def _all_modes(ctx):
+    import torch.distributed as dist
+    import transformer_engine.pytorch as te
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "store"), WORLD),
-                                rank=rank, world_size=WORLD)
-        import transformer_engine.pytorch as te
+    import megapatch
 
-        import megapatch
-
-        results = {}
-        for mode in MODES:
-            megapatch.disable()
-            megapatch.enable(tp_reduce_dtype=mode)
-            dist.barrier()
-            results[mode] = {
-                "state": megapatch.status().patch("tp_reduce.transformer_engine").state,
-                "row": _row(te, rank, sp=False, seed=1),
-                "row_sp": _row(te, rank, sp=True, seed=2),
-                "column": _column(te, rank, seed=3),
-                "lnmlp": _lnmlp(te),
-            }
+    rank = ctx.rank
+    results = {}
+    for mode in MODES:
         megapatch.disable()
-        dist.destroy_process_group()
-        payload = ("ok", results)
-    except BaseException:  # reported to the parent
-        payload = ("error", traceback.format_exc())
-    with open(os.path.join(tmp, f"rank{rank}"), "wb") as f:
-        pickle.dump(payload, f)
+        megapatch.enable(tp_reduce_dtype=mode)
+        dist.barrier()
+        results[mode] = {
+            "state": megapatch.status().patch("tp_reduce.transformer_engine").state,
+            "row": _row(te, rank, sp=False, seed=1),
+            "row_sp": _row(te, rank, sp=True, seed=2),
+            "column": _column(te, rank, seed=3),
+            "lnmlp": _lnmlp(te),
+        }
+    megapatch.disable()
+    return results
 
 
 @pytest.fixture(scope="module")
 def results():
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(tmp,), nprocs=WORLD, start_method="spawn", join=True)
-        found = []
-        for rank in range(WORLD):
-            with open(os.path.join(tmp, f"rank{rank}"), "rb") as f:
-                status, payload = pickle.load(f)
-            assert status == "ok", f"rank {rank}:\n{payload}"
-            found.append(payload)
-    return found
+    return run_ranks(_all_modes, WORLD, init_megatron=False, backend="nccl", timeout=900)
 
 
 def test_patch_is_active_in_the_fp32_modes(results):

@@ -1,0 +1,330 @@
+"""``megapatch doctor`` and ``megapatch status``: what this environment would do, and whether it can.
+
+One survey (a JSON-able dict) feeds both commands. It never raises: every probe, check or
+version lookup that fails becomes a row (or a line) carrying the reason, because the case
+doctor exists for is an upstream that megapatch cannot patch.
+
+Doctor never enables megapatch itself. It imports the upstream modules the startup hook
+watches, so a job's activation from ``MEGAPATCH_*`` happens here exactly as it would in the
+job (an error it raises is reported, not shown as a traceback), then disables it again and
+checks every patch against the original upstream.
+
+Exit codes: 0 everything requested can apply; 1 a requested patch cannot apply, or activation
+from the environment fails or never happens; 2 an invalid ``MEGAPATCH_*`` value.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+from megapatch.core.version import __version__
+from megapatch.core import engine, options, upstream_versions
+from megapatch.core.report import _table
+
+OK, CANNOT_APPLY, INVALID_ENVIRONMENT = 0, 1, 2
+# the modules whose import activates megapatch from the environment (see _bootstrap)
+ACTIVATING_MODULES = ("megatron.core", "transformer_engine.pytorch")
+_LONGEST_VALUE = 200  # a variable's value is echoed up to this many characters
+_LONGEST_ERROR = 2000
+
+
+def _guard(what: str, func: Callable, default: Any = None):
+    """``(value, None)`` or ``(default, "what: error")``: a probe never escapes as a traceback."""
+    try:
+        return func(), None
+    except Exception as exc:  # noqa: BLE001 -- the report must name any failure
+        return default, f"{what} raised {type(exc).__name__}: {_short(str(exc), _LONGEST_ERROR)}"
+
+
+def _short(text: str, limit: int = _LONGEST_VALUE) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def _findable(module: str) -> bool:
+    """Whether ``module`` can be found; True when looking raises, so that the import (guarded)
+    reports the real error instead of a misleading "not installed"."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+    except Exception:  # noqa: BLE001 -- a broken import hook: let the guarded import say so
+        return True
+
+
+def _unknown_variables() -> dict:
+    return dict(options.unknown_env_variables())
+
+
+def _environment() -> dict:
+    found = {k: _short(v) for k, v in sorted(os.environ.items()) if k.startswith(options.ENV_PREFIX)}
+    unknown, error = _guard("looking for misspelled variables", _unknown_variables, {})
+    return {"variables": found, "unknown": unknown, "problems": [error] if error else []}
+
+
+def _kill_switch() -> bool:
+    return options.disabled()
+
+
+def _activate_like_a_job(survey: dict, settings: options.Settings) -> None:
+    """Import what a job imports; record what megapatch's startup hook did, then switch it off."""
+    activation = survey["activation"]
+    was_enabled = engine.is_enabled()
+    imported_before = "megatron.core" in sys.modules
+    errors = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for module in ACTIVATING_MODULES:
+            if not _findable(module.split(".")[0]):
+                continue
+            _, error = _guard(f"import {module}", lambda m=module: __import__(m))
+            if error:
+                errors.append(error)
+    survey["upstream_warnings"] = len(caught)
+    if engine.is_enabled() and not was_enabled:
+        snapshot, error = _guard("megapatch.status()", engine.status)
+        if snapshot is not None:
+            activation["patches"] = {p.name: p.state for p in snapshot.patches}
+        _guard("megapatch.disable()", engine.disable)
+        if error:
+            errors.append(error)
+    requested = bool(settings.requested())
+    if errors:
+        activation.update(state="failed", detail="; ".join(errors))
+    elif survey["disabled"]:
+        activation.update(state="disabled", detail=f"{options.DISABLE_ENV} is set: nothing is enabled")
+    elif not requested:
+        activation.update(state="not-requested", detail="no MEGAPATCH_* option asks for a change")
+    elif not _findable("megatron"):
+        activation.update(state="no-megatron", detail="megatron is not importable here")
+    elif "patches" in activation:
+        activation.update(state="enabled", detail="the startup hook enabled megapatch when megatron.core was imported")
+    elif was_enabled or imported_before:
+        activation.update(state="not-observed", detail=(
+            "megapatch was enabled, or megatron.core imported, before this report: activation from "
+            "the environment could not be observed"))
+    else:
+        activation.update(state="not-run", detail=(
+            "MEGAPATCH_* variables are set but importing megatron.core did not enable megapatch: the "
+            "startup hook (megapatch-startup.pth) did not run in this interpreter (e.g. a pip --target "
+            "install on PYTHONPATH). Launch with megapatch-run, or call megapatch.enable() in the script"))
+
+
+def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabled: bool) -> dict:
+    row = {"name": patch.name, "option": patch.option, "summary": patch.summary,
+           "package": patch.package, "supported": None,
+           "requested": None, "opted_out": False, "upstream": "n/a", "problems": [],
+           "targets": len(patch.targets), "backend": None, "would_install": False, "why": "",
+           "untested": []}
+    row["supported"] = upstream_versions.supported_range(patch) or None
+    row["untested"], error = _guard(f"{patch.name} version range", lambda: list(upstream_versions.outside_range(patch)), [])
+    if error:
+        row["problems"].append(error)
+    if settings is not None:
+        row["requested"], error = _guard(f"{patch.name}.applies", lambda: bool(patch.applies(settings)), False)
+        if error:
+            row["problems"].append(error)
+        row["opted_out"] = patch.name in settings.skip_patches
+    top = patch.hook.split(".")[0]
+    if not _findable(top):
+        row["problems"].append(f"{top} is not installed")
+    else:
+        problems, error = _guard(f"checking {patch.name}", lambda: engine.check(patch), [])
+        row["problems"] += problems + ([error] if error else [])
+        row["upstream"] = "INCOMPATIBLE" if problems else ("ERROR" if error else "compatible")
+        if row["upstream"] == "compatible" and patch.backend is not None:
+            row["backend"], error = _guard(f"{patch.name} backend probe", patch.backend)
+            if error:
+                row["upstream"], row["problems"] = "ERROR", [error]
+    if settings is None:
+        row["why"] = "settings are invalid"
+    elif disabled:
+        row["why"] = f"{options.DISABLE_ENV} is set"
+    elif not row["requested"]:
+        row["why"] = "not requested"
+    elif row["opted_out"]:
+        row["why"] = "opted out (MEGAPATCH_SKIP_PATCHES)"
+    elif row["upstream"] == "compatible":
+        row["would_install"] = True
+        row["why"] = f"installs when {patch.hook} is imported"
+    elif row["upstream"] == "n/a":
+        row["why"] = "upstream package not installed: nothing to patch"
+    else:
+        row["why"] = ("strict: the job stops with this error" if strict
+                      else "strict=False: skipped with a warning, upstream behaviour kept")
+    return row
+
+
+def survey() -> dict:
+    """Everything doctor and status report, as plain data (the ``--json`` document)."""
+    result: Dict[str, Any] = {"megapatch": __version__, "versions": {},
+                              "environment": {"variables": {}, "unknown": {}, "problems": []},
+                              "settings": None, "sources": {}, "error": None, "disabled": False,
+                              "activation": {"state": "unknown", "detail": ""},
+                              "upstream_warnings": 0, "patches": [], "problems": []}
+    _, error = _guard("doctor", lambda: _survey(result))
+    if error:  # a defect of doctor itself: still report what was gathered
+        result["problems"].append(error)
+        result["result"] = {"code": CANNOT_APPLY, "message": "doctor could not check everything (exit 1)"}
+    return result
+
+
+def _survey(result: dict) -> None:
+    result["versions"], error = _guard("version lookup", upstream_versions.installed_versions, {})
+    if error:
+        result["problems"].append(error)
+    environment, error = _guard("reading the environment", _environment)
+    if error:
+        result["problems"].append(error)
+    else:
+        result["environment"] = environment
+        result["problems"] += environment["problems"]
+    settings = None
+    try:
+        settings, sources = engine.resolve({})  # skip_patches names checked too
+        result["settings"] = {o.name: getattr(settings, o.name) for o in options.OPTIONS}
+        result["sources"] = dict(sources)
+        result["disabled"] = _kill_switch()
+    except Exception as exc:  # noqa: BLE001 -- OptionError, or anything the parsing raises
+        result["error"] = _short(str(exc), _LONGEST_ERROR)
+        settings = None
+    if result["error"] is None:
+        _activate_like_a_job(result, settings)
+    else:
+        result["activation"].update(state="refused", detail="the environment holds an invalid value")
+    patches, error = _guard("discovering patches", engine.patches, ())
+    if error:
+        result["problems"].append(error)
+    strict = settings.strict if settings is not None else True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for patch in patches:
+            row, error = _guard(f"reporting {getattr(patch, 'name', patch)}",
+                                lambda p=patch: _patch_row(p, settings, strict, result["disabled"]))
+            if error:
+                row = {"name": getattr(patch, "name", str(patch)), "option": None, "summary": "",
+                       "package": None, "supported": None, "requested": None, "opted_out": False,
+                       "upstream": "ERROR", "problems": [error], "targets": 0, "backend": None,
+                       "would_install": False, "why": error, "untested": []}
+            result["patches"].append(row)
+    result["upstream_warnings"] += len(caught)
+    code, message = _verdict(result, strict)
+    result["result"] = {"code": code, "message": message}
+
+
+def _verdict(result: dict, strict: bool):
+    if result["error"] is not None:
+        return INVALID_ENVIRONMENT, "an invalid MEGAPATCH_* value (exit 2)"
+    failing = [r["name"] for r in result["patches"]
+               if r["requested"] and not r["opted_out"] and not result["disabled"]
+               and r["upstream"] in ("INCOMPATIBLE", "ERROR")]
+    if failing:
+        how = "the job would stop" if strict else "the job would run them unpatched"
+        return CANNOT_APPLY, f"requested patch(es) cannot apply: {', '.join(failing)}; {how} (exit 1)"
+    state = result["activation"]["state"]
+    if state in ("failed", "not-run"):
+        return CANNOT_APPLY, f"activation from the environment {'fails' if state == 'failed' else 'never happens'} (exit 1)"
+    if result["problems"]:
+        return CANNOT_APPLY, "doctor could not check everything (exit 1)"
+    return OK, "OK"
+
+
+# -- text views --------------------------------------------------------------------------------
+
+def _versions_lines(result: dict) -> List[str]:
+    return _table(("package", "version"), [(k, v or "absent") for k, v in result["versions"].items()])
+
+
+def _settings_lines(result: dict) -> List[str]:
+    if result["settings"] is None:
+        return [f"ERROR: {result['error']}"]
+    def text(value):
+        if isinstance(value, (tuple, list)):
+            return ",".join(map(str, value)) or "none"
+        return str(value)
+
+    return _table(("option", "value", "from"),
+                  [(k, text(v), result["sources"].get(k, "")) for k, v in result["settings"].items()])
+
+
+def _supported_text(row: dict) -> str:
+    supported = row["supported"]
+    if not supported:
+        return ""
+    if isinstance(supported, dict):
+        return "supported: " + ", ".join(f"{k} {v}" for k, v in supported.items())
+    return f"supported: {row['package'] or ''} {supported}".replace("  ", " ")
+
+
+def render_doctor(result: dict) -> str:
+    lines = [f"megapatch {result['megapatch']} doctor", ""]
+    lines += _versions_lines(result)
+    lines.append("")
+    env = result["environment"]
+    lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env["variables"].items())
+                                    or "no MEGAPATCH_* variable set"))
+    for name, close in env["unknown"].items():
+        lines.append(f"WARNING: {name} is not a megapatch variable and is ignored"
+                     + (f" (did you mean {close}?)" if close else ""))
+    lines.append("")
+    lines += _settings_lines(result)
+    if result["disabled"]:
+        lines.append(f"{options.DISABLE_ENV} is set: nothing would be enabled")
+    activation = result["activation"]
+    lines.append("")
+    lines.append(f"activation: {activation['state']}: {activation['detail']}")
+    if activation.get("patches"):
+        lines.append("  after import: " + ", ".join(f"{k} {v}" for k, v in activation["patches"].items()
+                                                    if v != "inactive"))
+    rows = []
+    for r in result["patches"]:
+        requested = "?" if r["requested"] is None else ("opted-out" if r["opted_out"] and r["requested"]
+                                                        else "yes" if r["requested"] else "no")
+        detail = "; ".join(r["problems"]) if r["problems"] else f"{r['targets']} targets checked"
+        if r["backend"] and r["requested"]:
+            detail += f"; backend: {r['backend']}"
+        supported = _supported_text(r)
+        if supported:
+            detail += f"; {supported}"
+        for line in r.get("untested", ()):
+            detail += f"; untested: {line}"
+        rows.append((r["name"], requested, r["upstream"], detail))
+    lines.append("")
+    lines += _table(("patch", "requested", "upstream", "detail"), rows)
+    for problem in result["problems"]:
+        lines.append(f"ERROR: {problem}")
+    if result["upstream_warnings"]:
+        lines.append("")
+        lines.append(f"({result['upstream_warnings']} upstream warnings raised while importing were hidden)")
+    lines.append("")
+    lines.append(f"result: {result['result']['message']}")
+    return "\n".join(lines)
+
+
+def render_status(result: dict) -> str:
+    lines = [f"megapatch {result['megapatch']}: what this environment would do",
+             "versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in result["versions"].items()), ""]
+    lines += _settings_lines(result)
+    if result["disabled"]:
+        lines.append(f"{options.DISABLE_ENV} is set: nothing would be enabled")
+    lines.append("")
+    rows = []
+    for r in result["patches"]:
+        requested = "?" if r["requested"] is None else ("yes" if r["requested"] else "no")
+        rows.append((r["name"], requested, "yes" if r["opted_out"] else "no", r["upstream"],
+                     "yes" if r["would_install"] else "no", r["why"]))
+    lines += _table(("patch", "requested", "opted-out", "upstream", "would install", "why"), rows)
+    activation = result["activation"]
+    if activation["state"] in ("failed", "not-run"):
+        lines += ["", f"activation: {activation['state']}: {activation['detail']}"]
+    lines += ["", f"result: {result['result']['message']}"]
+    return "\n".join(lines)
+
+
+def diagnose():
+    """``(exit code, doctor text)``."""
+    result = survey()
+    return result["result"]["code"], render_doctor(result)

@@ -1,0 +1,302 @@
+"""The options megapatch understands, as data: name, environment variable, kind, choices, aliases.
+
+Resolution order for each option: explicit argument to ``enable()``, then the environment, then
+the default. Parsing never imports torch, so the startup hook can validate the environment in
+processes that will never touch torch (pip, linters, other tools).
+
+Spelling rules, the same for every variable: values are case-insensitive and stripped; booleans
+take ``1/true/on/yes`` and ``0/false/off/no``; an *empty* value is an error for every variable
+(``MEGAPATCH_X=`` is usually an unexpanded shell variable, and guessing "off" could run BF16 where
+FP32 was meant): unset the variable to get its default. ``MEGAPATCH_DISABLE`` follows the same
+rule: a value that is neither a true nor a false spelling is an error, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from typing import Any, List, Mapping, Optional, Tuple
+
+from megapatch.core.errors import OptionError
+
+ENV_PREFIX = "MEGAPATCH_"
+DISABLE_ENV = "MEGAPATCH_DISABLE"
+TIMEOUT_ENV = "MEGAPATCH_CHECK_TIMEOUT"
+SKIP_PATCHES_ENV = "MEGAPATCH_SKIP_PATCHES"
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+_SHOWN_CHARS = 80
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut short: an error message never echoes a 100 kB value whole."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:_SHOWN_CHARS]}... ({len(str(value))} characters)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option. ``kind``: ``choice`` (one of ``choices``, after ``aliases``), ``boolean``,
+    ``seconds`` (a finite number > 0) or ``names`` (a comma-separated list, a tuple when parsed).
+
+    ``compared``: the ranks of a tensor-parallel group must agree on it (it changes what they
+    compute or which collectives they issue). ``request``: a value other than the default asks
+    megapatch to change upstream behaviour (what ``Settings.requested()`` lists).
+    """
+
+    name: str
+    env: str
+    choices: tuple
+    default: Any
+    help: str
+    aliases: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    kind: str = "choice"
+    compared: bool = True
+    request: bool = True
+
+    @property
+    def valid(self) -> str:
+        """The valid values, as an error message states them."""
+        if self.kind == "boolean":
+            return "valid choices: " + ", ".join(_TRUE + _FALSE)
+        if self.kind == "seconds":
+            return f"valid values: a finite number of seconds > 0 (default {self.default:g})"
+        if self.kind == "names":
+            return "valid values: comma-separated patch names as listed by megapatch.status()"
+        return "valid choices: " + ", ".join(map(str, self.choices))
+
+    def _invalid(self, origin: str, value: Any, why: str = "is not valid") -> OptionError:
+        return OptionError(f"{origin}={shown(value)} {why} for megapatch option {self.name!r}; {self.valid}")
+
+    def parse(self, value: Any, origin: str) -> Any:
+        """Normalise ``value`` (from ``origin``: an argument or a variable name) to a choice."""
+        if isinstance(value, str) and not value.strip() and not (self.kind == "names" and origin == self.name):
+            raise self._invalid(origin, value, "is empty (unset the variable to get the default)")
+        if self.kind == "boolean":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise self._invalid(origin, value)
+        if self.kind == "seconds":
+            try:
+                seconds = float(value.strip() if isinstance(value, str) else value)
+            except (TypeError, ValueError):
+                raise self._invalid(origin, value) from None
+            if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
+                raise self._invalid(origin, value)
+            return seconds
+        if self.kind == "names":
+            items = value.split(",") if isinstance(value, str) else list(value)
+            names = []
+            for item in items:
+                if not isinstance(item, str):
+                    raise self._invalid(origin, value)
+                item = item.strip()
+                if not item:
+                    if isinstance(value, str) and value.strip():
+                        raise self._invalid(origin, value, "has an empty entry")
+                    continue
+                if any(c.isspace() for c in item):
+                    raise self._invalid(origin, value)
+                names.append(item)
+            return tuple(sorted(set(names)))
+        # torch dtypes are accepted without importing torch: str(torch.float32) == "torch.float32".
+        text = str(value).strip().lower()
+        if text.startswith("torch."):
+            text = text[len("torch."):]
+        text = self.aliases.get(text, text)
+        if text in self.refused:
+            raise OptionError(f"{origin}={shown(value)} is refused for megapatch option "
+                              f"{self.name!r}: {self.refused[text]}")
+        if text not in self.choices:
+            raise self._invalid(origin, value)
+        return text
+
+    def text(self, value: Any) -> str:
+        """``value`` as the cross-rank fingerprint and the activation line write it."""
+        if self.kind == "names":
+            return ",".join(value) or "none"
+        if self.kind == "seconds":
+            return f"{value:g}"
+        return str(value)
+
+
+OPTIONS: tuple = (
+    Option(
+        name="tp_reduce_dtype",
+        env="MEGAPATCH_TP_REDUCE_DTYPE",
+        choices=("native", "fp32", "fp32-accumulate"),
+        default="native",
+        help="dtype in which tensor-parallel reductions sum",
+        aliases={"float32": "fp32", "fp32_accumulate": "fp32-accumulate"},
+    ),
+    Option(
+        name="logits_dtype",
+        env="MEGAPATCH_LOGITS_DTYPE",
+        choices=("native", "fp32"),
+        default="native",
+        help="dtype of the LM-head logits (the GEMM accumulator is kept in FP32)",
+        aliases={"float32": "fp32", "bf16": "native", "bfloat16": "native"},
+        refused={
+            "fp16": "FP16 logits lose range; upstream refuses --output-logit-dtype fp16 too",
+            "float16": "FP16 logits lose range; upstream refuses --output-logit-dtype fp16 too",
+            "half": "FP16 logits lose range; upstream refuses --output-logit-dtype fp16 too",
+        },
+    ),
+    Option(
+        name="align_fp8_transposes",
+        env="MEGAPATCH_ALIGN_FP8_TRANSPOSES",
+        choices=(False, True),
+        default=False,
+        help="run FP8 weight transposes at the interleaved schedule's param-sync slot",
+        kind="boolean",
+    ),
+    Option(
+        name="tp_invariant",
+        env="MEGAPATCH_TP_INVARIANT",
+        choices=(False, True),
+        default=False,
+        help="bitwise TP invariance: every TP-split sum as W fixed blocks in one FP32 tree",
+        kind="boolean",
+    ),
+    Option(
+        name="tp_invariant_width",
+        env="MEGAPATCH_TP_INVARIANT_WIDTH",
+        choices=(1, 2, 4, 8, 16, 32, 64, 128),
+        default=8,
+        help="the invariance width W: results agree at every TP size dividing it",
+        aliases={str(2 ** i): 2 ** i for i in range(8)},
+        request=False,
+    ),
+    Option(
+        name="skip_patches",
+        env=SKIP_PATCHES_ENV,
+        choices=(),
+        default=(),
+        help="patches left out on purpose (comma-separated names as in megapatch.status())",
+        kind="names",
+        request=False,
+    ),
+    Option(
+        name="strict",
+        env="MEGAPATCH_STRICT",
+        choices=(False, True),
+        default=True,
+        help="raise (instead of warn and skip) when a requested patch cannot apply",
+        kind="boolean",
+        compared=False,
+        request=False,
+    ),
+    Option(
+        name="check_timeout",
+        env=TIMEOUT_ENV,
+        choices=(),
+        default=300.0,
+        help="seconds a rank waits for its tensor-parallel peers' settings (cross-rank check)",
+        kind="seconds",
+        compared=False,
+        request=False,
+    ),
+)
+
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+#: The kill switch: not an option of ``enable()``, parsed with the same boolean rules.
+KILL_SWITCH = Option(name="disable", env=DISABLE_ENV, choices=(False, True), default=False,
+                     help="switch megapatch off whatever else is set", kind="boolean",
+                     compared=False, request=False)
+
+
+class _SettingsBehaviour:
+    """What every ``Settings`` can say about itself; its fields come from ``OPTIONS``."""
+
+    def requested(self) -> dict:
+        """The options that ask for a change from upstream behaviour."""
+        return {o.name: getattr(self, o.name) for o in OPTIONS
+                if o.request and getattr(self, o.name) != o.default}
+
+    def fingerprint(self) -> str:
+        """Stable text that must agree across the ranks of a tensor-parallel group."""
+        return ";".join(f"{o.name}={o.text(getattr(self, o.name))}" for o in OPTIONS if o.compared)
+
+
+#: One resolved configuration (a frozen dataclass, one field per option, defaults from the table).
+#: Wrappers read the current one at call time (``megapatch.core.state``).
+Settings = dataclasses.make_dataclass(
+    "Settings", [(o.name, type(o.default), dataclasses.field(default=o.default)) for o in OPTIONS],
+    bases=(_SettingsBehaviour,), frozen=True)
+Settings.__module__ = __name__  # (make_dataclass takes ``module=`` only from Python 3.12 on)
+
+NATIVE = Settings()
+
+
+def disabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """The kill switch, validated: an unknown spelling (``y``, ``2``, ``""``) raises OptionError."""
+    environ = os.environ if environ is None else environ
+    if DISABLE_ENV not in environ:
+        return False
+    return KILL_SWITCH.parse(environ[DISABLE_ENV], DISABLE_ENV)
+
+
+def env_requests(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the environment asks megapatch to do anything at all: a variable of an option that
+    can request a change (set to any value, ``native`` included: an explicitly native rank is
+    enabled, so that it tells its peers). Tuning variables alone (``MEGAPATCH_STRICT``,
+    ``MEGAPATCH_CHECK_TIMEOUT``, ...) activate nothing."""
+    environ = os.environ if environ is None else environ
+    return any(o.env in environ for o in OPTIONS if o.request)
+
+
+def known_env_variables() -> Tuple[str, ...]:
+    """Every ``MEGAPATCH_*`` variable megapatch reads."""
+    names = {o.env for o in OPTIONS} | {DISABLE_ENV}
+    names |= {v for k, v in globals().items() if k.endswith("_ENV") and isinstance(v, str)}
+    return tuple(sorted(names))
+
+
+def unknown_env_variables(environ: Optional[Mapping[str, str]] = None,
+                          known: Optional[Tuple[str, ...]] = None) -> List[Tuple[str, Optional[str]]]:
+    """``(name, closest known name or None)`` for each ``MEGAPATCH_*`` variable megapatch does not
+    read (a misspelling such as ``MEGAPATCH_TP_REDUCE_DTPYE`` would otherwise be ignored).
+    ``known`` adds names other megapatch components read (e.g. the launcher's)."""
+    environ = os.environ if environ is None else environ
+    valid = sorted(set(known_env_variables()) | set(known or ()))
+    found = []
+    strip = len(ENV_PREFIX)  # compare what follows the shared prefix
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in valid:
+            close = difflib.get_close_matches(name[strip:], [v[strip:] for v in valid], n=1, cutoff=0.6)
+            found.append((name, ENV_PREFIX + close[0] if close else None))
+    return found
+
+
+def resolve(arguments: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None):
+    """Return ``(Settings, sources)``; ``sources[name]`` says where each value came from.
+
+    Every value in use is validated, the kill switch's spelling included (so that ``megapatch
+    doctor`` and activation refuse the same values)."""
+    environ = os.environ if environ is None else environ
+    values, sources = {}, {}
+    for option in OPTIONS:
+        explicit = arguments.get(option.name)
+        if explicit is not None:
+            values[option.name] = option.parse(explicit, option.name)
+            sources[option.name] = "enable()"
+        elif option.env in environ:
+            values[option.name] = option.parse(environ[option.env], option.env)
+            sources[option.name] = f"env {option.env}"
+        else:
+            values[option.name] = option.default
+            sources[option.name] = "default"
+    disabled(environ)
+    return Settings(**values), sources

@@ -1,0 +1,85 @@
+"""Patch records as data, and their discovery.
+
+A patch module in ``megapatch.patches`` declares ``PATCHES = (Patch(...), ...)``. The engine finds
+them with ``discover()``; it never imports a particular patch by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import Callable, Mapping, Optional, Tuple
+
+from megapatch.core.options import Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One upstream attribute a patch wraps, and what the wrapper relies on.
+
+    ``attr`` is a dotted path inside ``module`` (``"RowParallelLinear.forward"``). ``params`` are
+    the leading parameter names the wrapper reads (checked against the installed signature);
+    ``kind`` is the kind of attribute found on its owner. ``rebind_aliases`` rebinds
+    ``from module import name`` copies held by other loaded modules (module-level functions only;
+    never for objects shared with torch, such as a module global bound to a torch collective).
+    ``optional`` targets exist only in some upstream versions (another target, or the patch's
+    probe, covers the others): when absent they are skipped instead of refusing the patch.
+    """
+
+    module: str
+    attr: str
+    wrapper: Callable
+    params: Optional[Tuple[str, ...]] = None
+    kind: str = "function"  # function | method | staticmethod | classmethod
+    rebind_aliases: bool = True
+    optional: bool = False
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One unit of behaviour change, installed and removed as a whole.
+
+    ``hook`` is the module whose import triggers installation: all targets are checked, then all
+    are wrapped, so a patch never applies half-way. ``applies`` decides from the settings whether
+    it should be installed; ``probe`` (optional) returns ``None`` when the installed upstream can
+    take the patch, else the reason it cannot (checked in addition to the targets' surfaces);
+    ``backend`` (optional) says which implementation is in use, for status and doctor.
+    ``watches`` names further upstream symbols (``"module:Qual.name"``) whose code the patch
+    relies on without wrapping them; the patch-surface lock fingerprints them with the targets.
+    ``supports`` maps a package to the specifier set (PEP 440) of versions the patch is tested
+    on, e.g. ``{"megatron-core": ">=0.13,<0.21"}``: outside it megapatch warns (a version alone
+    never refuses; the surface check does); ``megapatch.core.upstream_versions.supported_range`` reads it.
+    """
+
+    name: str
+    option: Optional[str]
+    summary: str
+    hook: str
+    targets: Tuple[Target, ...]
+    applies: Callable[[Settings], bool]
+    probe: Optional[Callable[[], Optional[str]]] = None
+    backend: Optional[Callable[[], str]] = None
+    package: str = "megatron-core"
+    watches: Tuple[str, ...] = ()
+    supports: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def discover() -> Tuple[Patch, ...]:
+    """Every ``Patch`` declared by the modules of ``megapatch.patches``, in module order."""
+    package = importlib.import_module("megapatch.patches")
+    found = []
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        found.extend(getattr(module, "PATCHES", ()))
+    names = [p.name for p in found]
+    duplicated = {n for n in names if names.count(n) > 1}
+    if duplicated:
+        raise RuntimeError(f"megapatch: duplicate patch names {sorted(duplicated)}")
+    return tuple(found)

@@ -1,0 +1,191 @@
+"""The structured report behind ``megapatch.status()`` and ``megapatch doctor``, and the lines
+megapatch writes to a job's log.
+
+Job-log lines go through ``logging`` (logger ``"megapatch"``) on rank 0 only: the activation line
+once per activation, and once-per-job lines (a requested patch passing through or skipped). Rank 0
+is ``torch.distributed``'s rank 0 when it is initialised, else ``RANK``, else 0. Launchers such as
+Megatron-LM's may never configure logging for this logger: while no handler is configured on its
+chain, megapatch attaches a minimal stderr handler to the ``"megapatch"`` logger only (never the
+root logger) and removes it again once the application configures its own handlers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from megapatch.core import options
+
+log = logging.getLogger("megapatch")
+_said: set = set()
+_said_lock = threading.Lock()
+_handler: Optional[logging.Handler] = None
+_level_set_here = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchReport:
+    name: str
+    option: Optional[str]
+    summary: str
+    state: str  # active | pending-import | inactive | skipped | incompatible | opted-out
+    targets: Tuple[str, ...] = ()
+    aliases: Tuple[str, ...] = ()
+    reason: Optional[str] = None
+    backend: Optional[str] = None
+    supports: Dict[str, str] = dataclasses.field(default_factory=dict)  # package -> tested versions
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    enabled: bool
+    settings: Dict[str, object]
+    sources: Dict[str, str]
+    versions: Dict[str, Optional[str]]
+    patches: Tuple[PatchReport, ...]
+
+    @property
+    def active(self) -> List[str]:
+        return [p.name for p in self.patches if p.state == "active"]
+
+    def patch(self, name: str) -> PatchReport:
+        for report in self.patches:
+            if report.name == name:
+                return report
+        raise KeyError(name)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"megapatch {'enabled' if self.enabled else 'disabled'}"]
+        lines.append("versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in self.versions.items()))
+        lines.append("")
+        def text(name, value):
+            option = options.OPTIONS_BY_NAME.get(name)
+            return option.text(value) if option is not None else str(value)
+
+        lines += _table(("option", "value", "from"),
+                        [(k, text(k, v), self.sources.get(k, "")) for k, v in self.settings.items()])
+        lines.append("")
+        rows = []
+        for p in self.patches:
+            detail = p.reason or ""
+            if p.backend:
+                detail = f"backend: {p.backend}" + (f"; {detail}" if detail else "")
+            rows.append((p.name, p.state, str(len(p.targets)), detail))
+        lines += _table(("patch", "state", "wrapped", "detail"), rows)
+        wrapped = [(p.name, t) for p in self.patches for t in p.targets]
+        wrapped += [(p.name, f"{a} (alias)") for p in self.patches for a in p.aliases]
+        if wrapped:
+            lines.append("")
+            lines += _table(("patch", "upstream target wrapped"), wrapped)
+        return "\n".join(lines)
+
+
+def _table(header, rows) -> List[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*row).rstrip() for row in rows]
+    return out
+
+
+def job_rank() -> int:
+    """This process's rank in the job: torch.distributed's if initialised, else ``RANK``, else 0."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001 -- a half-initialised backend: fall back to the launcher's view
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _configured_elsewhere() -> bool:
+    logger: Optional[logging.Logger] = log
+    while logger is not None:
+        if any(h is not _handler for h in logger.handlers):
+            return True
+        if not logger.propagate:
+            return False
+        logger = logger.parent
+    return False
+
+
+def ensure_visible() -> None:
+    """Make INFO lines of the ``"megapatch"`` logger reach stderr when nothing else would."""
+    global _handler, _level_set_here
+    if _configured_elsewhere():
+        if _handler is not None:
+            log.removeHandler(_handler)
+            _handler = None
+            if _level_set_here:
+                log.setLevel(logging.NOTSET)
+                _level_set_here = False
+        return
+    if _handler is None:
+        _handler = logging.StreamHandler()  # sys.stderr
+        _handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(_handler)
+    if log.level == logging.NOTSET and log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+        _level_set_here = True
+
+
+def job_line(level: str, message: str) -> bool:
+    """Log ``message`` on rank 0 only. Returns whether this process logged it."""
+    if job_rank() != 0:
+        return False
+    ensure_visible()
+    getattr(log, level)(message)
+    return True
+
+
+def once(key: str, level: str, message: str) -> bool:
+    """``job_line`` the first time ``key`` is seen in this process (once per job on rank 0)."""
+    with _said_lock:
+        if key in _said:
+            return False
+        _said.add(key)
+    return job_line(level, message)
+
+
+def activation_line(status: "Status") -> str:
+    """One line: settings with their sources, patches by state with reasons, backends, versions."""
+    settings = ", ".join(
+        f"{o.name}={o.text(status.settings[o.name])} ({status.sources.get(o.name, 'default')})"
+        for o in options.OPTIONS if o.name in status.settings)
+    groups: Dict[str, List[str]] = {}
+    for p in status.patches:
+        if p.state == "inactive":
+            continue
+        text = p.name
+        if p.state == "active" and p.backend:
+            text += f" [{p.backend}]"
+        elif p.state != "active" and p.reason:
+            text += f" ({p.reason})"
+        groups.setdefault(p.state, []).append(text)
+    order = ("active", "pending-import", "opted-out", "skipped", "incompatible")
+    patches = "; ".join(f"{state}: {', '.join(groups[state])}" for state in order if state in groups)
+    versions = ", ".join(f"{k} {v}" for k, v in status.versions.items() if v)
+    return (f"megapatch enabled: {settings} | patches {patches or 'none requested'} | {versions}")
+
+
+def warn_unknown_env_variables(environ: Optional[Mapping[str, str]] = None,
+                               known: Optional[Tuple[str, ...]] = None) -> List[Tuple[str, Optional[str]]]:
+    """Log (once per job, on rank 0) each ``MEGAPATCH_*`` variable megapatch does not read, with
+    the closest valid name. Returns what ``options.unknown_env_variables`` found."""
+    found = options.unknown_env_variables(environ, known)
+    for name, close in found:
+        hint = f"; did you mean {close}?" if close else f"; known: {', '.join(options.known_env_variables())}"
+        once(f"unknown-env:{name}", "warning",
+                    f"megapatch: {name} is not a megapatch variable and is ignored{hint}")
+    return found

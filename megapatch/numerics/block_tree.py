@@ -1,0 +1,244 @@
+"""Bitwise tensor-parallel invariance: the arithmetic behind ``tp_invariant=True``.
+
+Every sum that tensor parallelism splits is computed as W fixed-shape blocks (W =
+``tp_invariant_width``), each block's partial kept in FP32, and the W partials added in one fixed
+pairwise tree: adjacent pairs first, level by level. At TP size t a rank owns W/t consecutive
+blocks, which form a complete subtree of that tree (W/t is a power of two); it computes its
+subtree root locally; the FP32 roots are exchanged and the top of the tree is computed in the same
+order for every element (see ``invariant_sum``). The result is rounded once, to the activation
+dtype.
+
+Every GEMM on a TP-sharded tensor runs on W/t blocks of the same shape at every TP size, so the
+same kernel runs on the same data and gives the same bits: the block GEMMs run on fresh FP32
+copies (exact products, FP32 accumulation), whose shape and alignment do not depend on the TP size
+either. Elementwise ops (activations, softmax rows, Adam) are left alone: their result for an
+element does not depend on where it sits in the tensor (``tests/test_tp_invariant.py`` checks
+this for the activations on the installed torch).
+
+Only the TP size may change between runs that must agree; the batch, the width W and everything
+else must be the same.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch.distributed import distributed_c10d as c10d
+
+from megapatch.core import state
+from megapatch.core.errors import OptionError
+
+WIDTH_OPTION, WIDTH_ENV = "tp_invariant_width", "MEGAPATCH_TP_INVARIANT_WIDTH"
+
+
+def active() -> bool:
+    return bool(getattr(state.current(), "tp_invariant", False))
+
+
+def width() -> int:
+    return int(getattr(state.current(), "tp_invariant_width", 8))
+
+
+def blocks_per_rank(group) -> int:
+    """W / t for this TP group; refuses a TP size that does not divide W."""
+    w, t = width(), group_size(group)
+    if w % t:
+        valid = ", ".join(str(v) for v in (2 ** i for i in range(11)) if v % t == 0 and v >= t)
+        raise OptionError(
+            f"megapatch tp_invariant: {WIDTH_OPTION}={w} (env {WIDTH_ENV}) is not a multiple of the "
+            f"tensor-parallel size {t}; results are TP-invariant only for TP sizes dividing the width. "
+            f"Valid widths for TP={t}: {valid}")
+    return w // t
+
+
+def group_size(group) -> int:
+    return 1 if group is None else group.size()
+
+
+def check_divisible(what: str, full: int, local: int, group) -> int:
+    """The block size of a dimension split into W blocks; refuses one W does not divide."""
+    nb = blocks_per_rank(group)
+    if local % nb:
+        raise OptionError(
+            f"megapatch tp_invariant: {what} has size {full}, not divisible by "
+            f"{WIDTH_OPTION}={width()} (env {WIDTH_ENV}); every TP-split dimension must split into "
+            f"W equal blocks. Use a width that divides {full} (a power of two that every TP size "
+            f"divides), or pad the dimension.")
+    return local // nb
+
+
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """A fresh, contiguous FP32 copy: same shape, layout and alignment at every TP size."""
+    return t.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
+def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Pairwise sum of a power-of-two number of tensors: adjacent pairs, level by level."""
+    parts = list(parts)
+    if len(parts) & (len(parts) - 1):
+        raise ValueError(f"tree_sum needs a power-of-two count, got {len(parts)}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def invariant_sum(partials: Sequence[torch.Tensor], group,
+                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The fixed-tree FP32 sum of all W block partials, given this rank's W/t of them; every rank
+    gets the same bits. With ``out_dtype``, the sum is returned rounded to it.
+
+    Without ``out_dtype`` the FP32 subtree roots are all-gathered (t x 4 bytes per element
+    received). With it, each rank receives every peer's roots for one 1/t slice of the elements
+    (all-to-all), computes the top of the tree there, rounds, and the rounded slices are
+    all-gathered: (t-1)/t x (4 + 2) bytes per element for BF16, 1.5x a native ring all-reduce."""
+    root = tree_sum(partials)
+    t = group_size(group)
+    if t == 1:
+        return root if out_dtype is None else root.to(out_dtype)
+    flat = root.reshape(-1)
+    if out_dtype is None:
+        gathered = torch.empty(t * flat.numel(), dtype=root.dtype, device=root.device)
+        _all_gather_single(gathered, flat.contiguous(), group=group)
+        return tree_sum([part.view_as(root) for part in gathered.view(t, -1).unbind(0)])
+    pad = (-flat.numel()) % t
+    send = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
+    recv = torch.empty_like(send)
+    c10d.all_to_all_single(recv, send, group=group)  # row i: peer i's roots for my slice
+    mine = tree_sum(recv.view(t, -1).unbind(0)).to(out_dtype)
+    if pad == 0:  # gathered straight into a tensor of the result's shape (not a view)
+        out = torch.empty(root.shape, dtype=out_dtype, device=root.device)
+        _all_gather_single(out.view(-1), mine, group=group)
+        return out
+    out = torch.empty(t * mine.numel(), dtype=out_dtype, device=root.device)
+    _all_gather_single(out, mine, group=group)
+    return out[: flat.numel()].view_as(root)
+
+
+# torch >= 2.13 names it all_gather_single (and deprecates the old name)
+_all_gather_single = getattr(c10d, "all_gather_single", None) or c10d.all_gather_into_tensor
+
+
+def _slices(size: int, nb: int) -> List[slice]:
+    step = size // nb
+    return [slice(i * step, (i + 1) * step) for i in range(nb)]
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy if it is a view: megatron's cross entropy modifies FP32 logits in place,
+    which autograd forbids on a view returned by a custom Function."""
+    return t if t._base is None else t.clone()
+
+
+class ColumnParallel(torch.autograd.Function):
+    """A column-parallel linear (output dim split over TP), optionally summing dgrad over TP.
+
+    forward: each block of N/W output features is one [M, K] x [K, N/W] FP32 GEMM (+ bias),
+    rounded once. backward: dgrad is the tree sum of the W blocks' [M, N/W] x [N/W, K] partials
+    (over the TP group when ``reduce_dgrad``); wgrad and bias grad are per block."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
+        x2 = f32(x.reshape(-1, x.shape[-1]))
+        outs = []
+        for sl in _slices(weight.shape[0], nb):
+            out = x2 @ f32(weight[sl]).t()
+            if bias is not None:
+                out = out + f32(bias[sl])
+            outs.append(out.view(*x.shape[:-1], out.shape[-1]))
+        return _owned(torch.cat(outs, dim=-1).to(out_dtype or x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2 = f32(x.reshape(-1, x.shape[-1]))
+        g2 = grad.reshape(-1, grad.shape[-1])
+        partials, wgrads, bgrads = [], [], []
+        for sl in _slices(weight.shape[0], ctx.nb):
+            gb = f32(g2[:, sl])
+            if ctx.needs_input_grad[0]:
+                partials.append(gb @ f32(weight[sl]))
+            if ctx.needs_input_grad[1]:
+                wgrads.append(gb.t() @ x2)
+            if ctx.has_bias:
+                bgrads.append(gb.sum(dim=0))
+        dgrad = wgrad = bgrad = None
+        if partials:
+            group = ctx.group if ctx.reduce_dgrad else None
+            dgrad = invariant_sum(partials, group, x.dtype).view(x.shape)
+        if wgrads:
+            wgrad = torch.cat(wgrads, dim=0).to(weight.dtype)
+        if bgrads:
+            bgrad = torch.cat(bgrads).to(weight.dtype)
+        return dgrad, wgrad, bgrad, None, None, None, None
+
+
+class RowParallel(torch.autograd.Function):
+    """A row-parallel linear (input dim K split over TP) *including* its TP sum.
+
+    forward: each block of K/W input features is one [M, K/W] x [K/W, N] FP32 GEMM; the W
+    partials go through the fixed tree (across the TP group) and are rounded once. The output is
+    the same on every rank, so its gradient is too; dgrad and wgrad are per block."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, nb):
+        ctx.save_for_backward(x, weight)
+        ctx.nb = nb
+        x2 = x.reshape(-1, x.shape[-1])
+        partials = [(f32(x2[:, sl]) @ f32(weight[:, sl]).t()).view(*x.shape[:-1], weight.shape[0])
+                    for sl in _slices(weight.shape[1], nb)]
+        return _owned(invariant_sum(partials, group, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        g2 = f32(grad.reshape(-1, grad.shape[-1]))
+        dgrads, wgrads = [], []
+        for sl in _slices(weight.shape[1], ctx.nb):
+            if ctx.needs_input_grad[0]:
+                dgrads.append(g2 @ f32(weight[:, sl]))
+            if ctx.needs_input_grad[1]:
+                wgrads.append(g2.t() @ f32(x2[:, sl]))
+        dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
+        wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype) if wgrads else None
+        return dgrad, wgrad, None, None
+
+
+def sum_exp_partials(exp_logits: torch.Tensor, nb: int) -> List[torch.Tensor]:
+    """Per-block FP32 sums over the vocab shard's last dim (W/t blocks of V/W)."""
+    e2 = exp_logits.reshape(-1, exp_logits.shape[-1])
+    return [f32(e2[:, sl]).sum(dim=-1) for sl in _slices(e2.shape[-1], nb)]
+
+
+def squared_norms(grads: Sequence[torch.Tensor], partition_dims: Sequence[Optional[int]],
+                  group) -> torch.Tensor:
+    """Sum of squares of each (possibly TP-sharded) gradient, the same at every TP size, as one
+    FP32 vector.
+
+    Sharded (partition dim given): W blocks along the partition dim, one fixed tree across the
+    group (one all-gather for all of them). Replicated (``None``): one FP32 sum of the whole
+    tensor, computed alike by every rank."""
+    nb = blocks_per_rank(group)
+    totals = torch.zeros(len(grads), dtype=torch.float32)
+    blocks = []  # per sharded gradient: its W/t block sums
+    sharded = []
+    for i, (grad, dim) in enumerate(zip(grads, partition_dims)):
+        if dim is None:
+            g = f32(grad)
+            totals[i] = (g * g).sum().cpu()
+            continue
+        size = check_divisible(f"a gradient of shape {tuple(grad.shape)} (partition dim {dim})",
+                               grad.shape[dim] * group_size(group), grad.shape[dim], group)
+        sums = []
+        for b in range(nb):
+            g = f32(grad.narrow(dim, b * size, size))
+            sums.append((g * g).sum().cpu())
+        blocks.append(torch.stack(sums))
+        sharded.append(i)
+    if sharded:
+        per_block = torch.stack(blocks, dim=1)  # [W/t, sharded gradients]
+        totals[sharded] = invariant_sum(list(per_block.unbind(0)), group)
+    return totals

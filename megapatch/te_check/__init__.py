@@ -1,0 +1,2 @@
+"""The static Transformer Engine wiring check (``wiring``: ``ast`` over TE's sources, never an
+import of TE) and its verdict cached per TE installation (``verdict``), for the TE patch's probe."""

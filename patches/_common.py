@@ -1,0 +1,55 @@
+"""What several patch modules share: the versions they were tested on, the megatron-core linear
+Functions, a layer's tensor-parallel group, and the decision whether a TP sum runs in FP32."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.distributed import distributed_c10d as c10d
+
+from megapatch.core import cross_rank, state
+from megapatch.numerics.dtypes import LOW_PRECISION
+
+# Versions each patch was tested on (``Patch.supports``): the matrix re-runs them
+# (``python tools/matrix.py``; docs/versions.md shows the generated table).
+MEGATRON_CORE_TESTED = {"megatron-core": ">=0.12,<0.21"}
+MEGATRON_CORE_TP_REDUCE_TESTED = {"megatron-core": ">=0.13,<0.21"}  # 0.12's _reduce has no group
+MEGATRON_CORE_TP_INVARIANT_TESTED = {"megatron-core": ">=0.16,<0.17"}  # tests/test_tp_invariant.py
+TRANSFORMER_ENGINE_TESTED = {"transformer-engine": ">=2.9,<=2.20.2"}
+
+LAYERS = "megatron.core.tensor_parallel.layers"
+#: megatron-core's linear autograd Functions (FP32 outputs, FP32 row-parallel accumulators)
+LINEAR_FUNCTIONS = ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight")
+
+
+def when(option: str, value) -> Callable:
+    """``Patch.applies`` for a patch that serves ``option`` set to ``value``."""
+    return lambda settings: getattr(settings, option) == value
+
+
+def tp_group(layer):
+    """The tensor-parallel group of a megatron-core layer (its own, else the global one)."""
+    group = getattr(layer, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
+
+
+def reduction_mode(tensor: torch.Tensor, group) -> Optional[str]:
+    """The megapatch mode for summing ``tensor`` over ``group``, or None to run upstream's own
+    collective (megapatch off, a group of one, or a tensor that is not BF16/FP16). The first call
+    on a group verifies that every rank of the group runs the same settings."""
+    settings = state.current()
+    if settings.tp_reduce_dtype == "native":
+        return None
+    if group is None:
+        group = c10d.group.WORLD
+    if group.size() == 1:
+        return None
+    cross_rank.ensure_group_agrees(group, settings)
+    if tensor.dtype not in LOW_PRECISION:
+        return None
+    return settings.tp_reduce_dtype

@@ -1,0 +1,186 @@
+"""FP32 LM-head logits: the output layer keeps its GEMM accumulator in FP32 (Megatron-LM PR #6252).
+
+``GPTModel.forward`` (and ``MambaModel.forward`` where the installed version has it) marks its own
+``output_layer`` for the duration of the call; that layer's ``ColumnParallelLinear.forward`` then
+runs upstream's linear autograd Function with an FP32 output (``megapatch.numerics.fp32_output_linear``): TE
+``general_gemm(..., out_dtype=torch.float32)`` where TE and CUDA are there, ``torch.mm(...,
+out_dtype=torch.float32)`` on CUDA, FP32 copies of the BF16 operands on CPU. The backward is
+upstream's, after ``grad_output`` is cast to the input dtype -- the PR's contract.
+
+Where the installed megatron-core already has the PR (``ColumnParallelLinear.output_dtype``,
+Megatron-LM main), megapatch still computes the FP32 logits itself, with the same GEMM backend
+(TE ``general_gemm`` on CUDA where TE is there): upstream's ``_linear_forward`` returns its FP32
+output as a reshaped view created inside the autograd Function, which megatron's own
+vocab-parallel cross entropy modifies in place and autograd refuses; and without TE (CPU,
+``--transformer-impl local``) upstream raises. The layer's ``output_dtype`` is held at None for
+the call. The first FP32 call logs which path ran (logger ``"megapatch"``, rank 0).
+
+Every other ColumnParallelLinear (QKV, fc1, MoE, user layers) is untouched: only the instance that
+the running model calls ``output_layer`` is marked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import torch
+
+from megapatch.numerics import fp32_gemm, fp32_output_linear
+from megapatch.core import report, state
+from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurfaceError
+from megapatch.core.registry import Patch, Target
+from megapatch.core.scope import scoped
+from megapatch.patches._common import LAYERS, MEGATRON_CORE_TESTED, when
+GPT = "megatron.core.models.gpt.gpt_model"
+MAMBA = "megatron.core.models.mamba.mamba_model"
+
+_lm_head = contextvars.ContextVar("megapatch_lm_head", default=None)
+
+
+def _native_output_dtype(layer) -> bool:
+    """Whether this megatron-core has PR #6252's ``ColumnParallelLinear.output_dtype``."""
+    return hasattr(layer, "output_dtype")
+
+
+def _device_type(layer) -> str:
+    weight = getattr(layer, "weight", None)  # None when the output weight is passed per call (tied)
+    if isinstance(weight, torch.Tensor):
+        return weight.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _path(device_type: str, native_output_dtype: bool) -> str:
+    """Which mechanism computes the FP32 logits (status backend and job-log line)."""
+    path = f"megapatch FP32-output GEMM ({fp32_gemm.backend(device_type)})"
+    if native_output_dtype:
+        path += (", not megatron-core's own output_dtype (PR #6252): its FP32 output is a view that "
+                 "megatron's cross entropy modifies in place, which autograd refuses (and without "
+                 "TE it raises)")
+    return path
+
+
+def _say_path(path: str) -> None:
+    report.once(f"logits.fp32_lm_head:{path}", "info", f"megapatch logits.fp32_lm_head: FP32 logits via {path}")
+
+
+@contextlib.contextmanager
+def lm_head(layer):
+    """Within this block, ``layer`` (a ColumnParallelLinear) produces FP32 logits when
+    ``logits_dtype="fp32"``. The model wrappers use it; tests and custom models may too."""
+    if state.current().logits_dtype != "fp32":
+        yield
+        return
+    _refuse_unsupported(layer)
+    native = _native_output_dtype(layer)
+    _say_path(_path(_device_type(layer), native))
+    previous = layer.output_dtype if native else None
+    if native:  # upstream computes the plain GEMM; megapatch's FP32OutputLinear takes it from there
+        layer.output_dtype = None
+    marker = _Marked(layer)
+    try:
+        with scoped(_lm_head, marker):
+            yield
+    finally:
+        if native:
+            layer.output_dtype = previous
+    if marker.calls == 0 and getattr(layer, "_megapatch_expect_call", True):
+        raise UpstreamSurfaceError(
+            f"megapatch logits_dtype='fp32': the model ran without calling its output layer "
+            f"through ColumnParallelLinear.forward, so its logits were not computed in FP32 "
+            f"(the upstream model forward changed)")
+
+
+class _Marked:
+    """The output layer marked for this model call, and how often it ran in FP32."""
+
+    __slots__ = ("layer", "calls")
+
+    def __init__(self, layer):
+        self.layer, self.calls = layer, 0
+
+
+def _refuse_unsupported(layer) -> None:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    if not isinstance(layer, ColumnParallelLinear):
+        raise UnsupportedConfigurationError(
+            f"megapatch logits_dtype='fp32': the output layer is a {type(layer).__module__}."
+            f"{type(layer).__qualname__}, not megatron-core's ColumnParallelLinear. Upstream refuses "
+            f"an FP32 output for TE's MXFP8 LM head (TELMHeadColumnParallelLinear) too; use the "
+            f"default output layer, or unset MEGAPATCH_LOGITS_DTYPE.")
+
+
+def _model_forward(wrapped, instance, args, kwargs):
+    layer = getattr(instance, "output_layer", None)
+    if layer is None or state.current().logits_dtype != "fp32":  # not the last stage, or off
+        return wrapped(*args, **kwargs)
+    with lm_head(layer):
+        return wrapped(*args, **kwargs)
+
+
+def _model_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    layer = getattr(instance, "output_layer", None)
+    if layer is not None and state.current().logits_dtype == "fp32":
+        _refuse_unsupported(layer)  # at model construction, before any training step
+
+
+def _column_parallel_forward(wrapped, instance, args, kwargs):
+    marker = _lm_head.get()
+    if marker is None or marker.layer is not instance:
+        return wrapped(*args, **kwargs)
+    marker.calls += 1
+    with fp32_output_linear.output_dtype(torch.float32):
+        return wrapped(*args, **kwargs)
+
+
+def _backend() -> str:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    import inspect
+
+    native = "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters
+    return _path("cuda" if torch.cuda.is_available() else "cpu", native)
+
+
+# every patch here serves logits_dtype="fp32"
+_logits_patch = functools.partial(Patch, option="logits_dtype", applies=when("logits_dtype", "fp32"),
+                                  supports=MEGATRON_CORE_TESTED)
+
+PATCHES = (
+    _logits_patch(
+        name="logits.fp32_lm_head",
+        summary="FP32 LM-head logits with the GEMM accumulator kept (GPTModel marks its output layer)",
+        hook=GPT,
+        backend=_backend,
+        watches=(f"{GPT}:GPTModel._postprocess", f"{LAYERS}:ColumnParallelLinear.__init__"),
+        targets=(
+            Target(GPT, "GPTModel.__init__", _model_init, kind="method"),
+            Target(GPT, "GPTModel.forward", _model_forward, kind="method"),
+        ),
+    ),
+    # the hybrid/Mamba model calls its output layer the same way (megatron-core >= 0.12)
+    _logits_patch(
+        name="logits.fp32_lm_head_mamba",
+        summary="FP32 LM-head logits for MambaModel (same marking as GPTModel)",
+        hook=MAMBA,
+        backend=_backend,
+        targets=(
+            Target(MAMBA, "MambaModel.__init__", _model_init, kind="method"),
+            Target(MAMBA, "MambaModel.forward", _model_forward, kind="method"),
+        ),
+    ),
+    # separate hook: ColumnParallelLinear is imported long before (or without) GPTModel; if this
+    # half is missing, the marking half raises instead of returning BF16 logits
+    _logits_patch(
+        name="logits.fp32_output_layer",
+        summary="the marked output layer computes its logits in FP32",
+        hook="megatron.core.tensor_parallel",
+        targets=(
+            Target(LAYERS, "ColumnParallelLinear.forward", _column_parallel_forward, kind="method",
+                   params=("self", "input_")),
+        ),
+    ),
+)

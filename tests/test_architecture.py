@@ -1,0 +1,101 @@
+"""The layout's rules, checked: import-linter's contracts (pyproject.toml [tool.importlinter]) on
+the package as the wheel lays it out, a contract breaking when a runtime module imports the test
+harness, patch modules named after their patches, and the option table driving every surface."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import pkgutil
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import megapatch
+from megapatch.core import options
+
+from conftest import REPO
+
+RUNTIME = ("megapatch.core", "megapatch.numerics", "megapatch.patches", "megapatch.te_check",
+           "megapatch.integrations")
+
+
+def _wheel_layout(tmp_path):
+    """megapatch/ with patches/ inside it, as the wheel ships them (pyproject force-include)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(os.path.join(REPO, "megapatch"), tmp_path / "megapatch", ignore=ignore)
+    shutil.copytree(os.path.join(REPO, "patches"), tmp_path / "megapatch" / "patches", ignore=ignore)
+    return tmp_path
+
+
+def _lint_imports(root):
+    env = dict(os.environ, PYTHONPATH=str(root))
+    code = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "pyproject.toml")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_are_kept(tmp_path):
+    result = _lint_imports(_wheel_layout(tmp_path))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "4 kept, 0 broken" in result.stdout
+
+
+def test_a_runtime_module_importing_the_test_harness_breaks_a_contract(tmp_path):
+    root = _wheel_layout(tmp_path)
+    state = root / "megapatch" / "core" / "state.py"
+    state.write_text(state.read_text() + "\nimport megapatch.testing.harness  # a careless import\n")
+    result = _lint_imports(root)
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "the runtime path imports nothing from testing or commands BROKEN" in result.stdout
+    assert "megapatch.core.state -> megapatch.testing.harness" in result.stdout
+
+
+def test_a_cycle_inside_the_engine_breaks_a_contract(tmp_path):
+    root = _wheel_layout(tmp_path)
+    report = root / "megapatch" / "core" / "report.py"
+    report.write_text(report.read_text() + "\nfrom megapatch.core import engine  # a cycle\n")
+    result = _lint_imports(root)
+    assert result.returncode == 1 and "no import cycles inside a layer BROKEN" in result.stdout
+
+
+def test_every_patch_module_is_named_after_its_patches():
+    """``<family>.<what>`` lives in ``patches/<family>.py`` or ``patches/<family>_<what>.py``."""
+    package = importlib.import_module("megapatch.patches")
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"megapatch.patches.{info.name}")
+        assert module.PATCHES, info.name
+        for patch in module.PATCHES:
+            family = patch.name.partition(".")[0]
+            assert info.name in (family, patch.name.replace(".", "_")), (info.name, patch.name)
+
+
+def test_the_option_table_drives_settings_enable_and_the_launcher():
+    names = [o.name for o in options.OPTIONS]
+    assert [f.name for f in dataclasses.fields(options.Settings)] == names
+    assert list(inspect.signature(megapatch.enable).parameters) == names
+    assert all(getattr(options.NATIVE, o.name) == o.default for o in options.OPTIONS)
+    from megapatch.commands import launcher
+
+    parser_flags = {a for action in launcher.parser()._actions for a in action.option_strings}
+    assert {"--" + n.replace("_", "-") for n in names} <= parser_flags
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tp_reduce_dtpye'"):
+        megapatch.enable(tp_reduce_dtpye="fp32")
+
+
+def test_the_runtime_never_imports_testing_or_commands_at_run_time():
+    """What a training process loads: the engine and every patch module (import-linter checks the
+    static graph; this checks the modules really loaded)."""
+    code = ("import sys, megapatch; from megapatch.core import engine; engine.patches(); "
+            "print(sorted(m for m in sys.modules if m.startswith('megapatch.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = eval(result.stdout.strip())  # noqa: S307 -- our own printout
+    assert loaded and all(m.startswith(RUNTIME) for m in loaded), loaded
