@@ -149,29 +149,24 @@ def _backend() -> str:
 _logits_patch = functools.partial(Patch, option="logits_dtype", applies=when("logits_dtype", "fp32"),
                                   supports=MEGATRON_CORE_TESTED)
 
+
+def _model_marking_patch(name, module, model, summary, watches=()):
+    """A model class whose construction refuses a foreign head and whose forward marks its
+    output layer for FP32 logits."""
+    return _logits_patch(
+        name=name, summary=summary, hook=module, backend=_backend, watches=watches,
+        targets=(Target(module, f"{model}.__init__", _model_init, kind="method"),
+                 Target(module, f"{model}.forward", _model_forward, kind="method")))
+
+
 PATCHES = (
-    _logits_patch(
-        name="logits.fp32_lm_head",
-        summary="FP32 LM-head logits with the GEMM accumulator kept (GPTModel marks its output layer)",
-        hook=GPT,
-        backend=_backend,
-        watches=(f"{GPT}:GPTModel._postprocess", f"{LAYERS}:ColumnParallelLinear.__init__"),
-        targets=(
-            Target(GPT, "GPTModel.__init__", _model_init, kind="method"),
-            Target(GPT, "GPTModel.forward", _model_forward, kind="method"),
-        ),
-    ),
+    _model_marking_patch(
+        "logits.fp32_lm_head", GPT, "GPTModel",
+        "FP32 LM-head logits with the GEMM accumulator kept (GPTModel marks its output layer)",
+        watches=(f"{GPT}:GPTModel._postprocess", f"{LAYERS}:ColumnParallelLinear.__init__")),
     # the hybrid/Mamba model calls its output layer the same way (megatron-core >= 0.12)
-    _logits_patch(
-        name="logits.fp32_lm_head_mamba",
-        summary="FP32 LM-head logits for MambaModel (same marking as GPTModel)",
-        hook=MAMBA,
-        backend=_backend,
-        targets=(
-            Target(MAMBA, "MambaModel.__init__", _model_init, kind="method"),
-            Target(MAMBA, "MambaModel.forward", _model_forward, kind="method"),
-        ),
-    ),
+    _model_marking_patch("logits.fp32_lm_head_mamba", MAMBA, "MambaModel",
+                         "FP32 LM-head logits for MambaModel (same marking as GPTModel)"),
     # separate hook: ColumnParallelLinear is imported long before (or without) GPTModel; if this
     # half is missing, the marking half raises instead of returning BF16 logits
     _logits_patch(

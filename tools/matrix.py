@@ -10,13 +10,13 @@ Phases (each idempotent, each can be run alone):
   test      - install the project (non-editable wheel build, offline) into the cell venv, run
               `megapatch doctor` (per-patch surface verdict) and pytest; write results/<cell>.json
   lock      - record each cell's patch-surface lock into megapatch/commands/surface_lock/ (after review)
-  report    - write the supported-versions table into README.md from results/*.json
+  report    - write the supported-versions table into docs/versions.md from results/*.json
 
 Examples:
   python tools/matrix.py all                                  # every cell, full CPU suite
   python tools/matrix.py --part 1/3 all                       # a third of the cells (CI-sized)
   python tools/matrix.py --cells mcore-0.16.1,main test -- tests/test_options.py
-  python tools/matrix.py report                               # README table from results/matrix
+  python tools/matrix.py report                               # docs/versions.md from results/matrix
   python tools/matrix.py --cells mcore-0.13.1,mcore-0.19.2 --subset all  # what CI runs
 
 The Megatron-LM main cell installs megatron-core from the pinned source tarball
@@ -57,7 +57,7 @@ PY312 = _find_python("3.12")
 TORCH = os.environ.get("MATRIX_TORCH", "2.13.0")
 MAIN_COMMIT = os.environ.get("MATRIX_MAIN_COMMIT", "d98e8a64ddf34856e74b24714e3bedb2f5a39553")
 # The per-patch subset each cell runs by default (`--subset`): every multi-rank test of each patch,
-# ~75-100 s a cell on 2 cores. README's table and CI (.ci/run) use exactly this list.
+# ~75-100 s a cell on 2 cores. docs/versions.md and CI (.ci/run) use exactly this list.
 SUBSET = ["tests/test_options.py", "tests/test_surface_lock.py", "tests/test_tp_reduce_mcore.py",
           "-k", "oracle or row_parallel or disabled or integer or cross_entropy or inference "
                 "or align or fp8 or option or lock or refused or marked",
@@ -237,7 +237,7 @@ class Runner:
 
     def run(self, phase, cs):
         if phase == "report":
-            return write_report(self.results, Path(self.a.project).resolve() / "README.md")
+            return write_report(self.results, Path(self.a.project).resolve() / "docs" / "versions.md")
         if phase == "lock":
             return self.lock(cs)
         if phase in ("prefetch", "all"):
@@ -320,7 +320,7 @@ def _junit_counts(path: Path) -> dict:
     return counts
 
 
-# which test modules prove which patch (README column per patch)
+# which test modules prove which patch (a docs/versions.md column per patch)
 PATCH_TESTS = {
     "tp_reduce.megatron_core": ("test_tp_reduce_mcore", "test_cross_rank"),
     "tp_reduce.transformer_engine": ("test_tp_reduce_te_wiring",),

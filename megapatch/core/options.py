@@ -51,14 +51,18 @@ class Option:
 
     name: str
     env: str
-    choices: tuple
     default: Any
     help: str
+    choices: tuple = ()  # (False, True) for a boolean
     aliases: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     kind: str = "choice"
     compared: bool = True
     request: bool = True
+
+    def __post_init__(self):
+        if self.kind == "boolean":
+            object.__setattr__(self, "choices", (False, True))
 
     @property
     def valid(self) -> str:
@@ -156,7 +160,6 @@ OPTIONS: tuple = (
     Option(
         name="align_fp8_transposes",
         env="MEGAPATCH_ALIGN_FP8_TRANSPOSES",
-        choices=(False, True),
         default=False,
         help="run FP8 weight transposes at the interleaved schedule's param-sync slot",
         kind="boolean",
@@ -164,7 +167,6 @@ OPTIONS: tuple = (
     Option(
         name="tp_invariant",
         env="MEGAPATCH_TP_INVARIANT",
-        choices=(False, True),
         default=False,
         help="bitwise TP invariance: every TP-split sum as W fixed blocks in one FP32 tree",
         kind="boolean",
@@ -181,7 +183,6 @@ OPTIONS: tuple = (
     Option(
         name="skip_patches",
         env=SKIP_PATCHES_ENV,
-        choices=(),
         default=(),
         help="patches left out on purpose (comma-separated names as in megapatch.status())",
         kind="names",
@@ -190,7 +191,6 @@ OPTIONS: tuple = (
     Option(
         name="strict",
         env="MEGAPATCH_STRICT",
-        choices=(False, True),
         default=True,
         help="raise (instead of warn and skip) when a requested patch cannot apply",
         kind="boolean",
@@ -200,7 +200,6 @@ OPTIONS: tuple = (
     Option(
         name="check_timeout",
         env=TIMEOUT_ENV,
-        choices=(),
         default=300.0,
         help="seconds a rank waits for its tensor-parallel peers' settings (cross-rank check)",
         kind="seconds",
@@ -212,7 +211,7 @@ OPTIONS: tuple = (
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 
 #: The kill switch: not an option of ``enable()``, parsed with the same boolean rules.
-KILL_SWITCH = Option(name="disable", env=DISABLE_ENV, choices=(False, True), default=False,
+KILL_SWITCH = Option(name="disable", env=DISABLE_ENV, default=False,
                      help="switch megapatch off whatever else is set", kind="boolean",
                      compared=False, request=False)
 

@@ -36,15 +36,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megapatch.testing.cpu_compat import cpu_workarounds
 
-__all__ = [
-    "Batch",
-    "tiny_gpt_config",
-    "build_tiny_gpt",
-    "make_batch",
-    "gather_tp_logits",
-    "gather_full_weights",
-]
-
 # Seed offset between model chunks, so pipeline stages / virtual chunks do not
 # start from identical layer weights.
 _CHUNK_SEED_STRIDE = 7919
