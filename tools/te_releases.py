@@ -1,7 +1,7 @@
 """The Transformer Engine releases megapatch claims, and their source-only wheels: the list
 (``tools/te_wiring_versions.json``, version -> sha256), a download cache and ``pip download``.
 
-Used by ``tools/te_wiring_check.py``, ``tests/test_tp_reduce_te_wiring.py`` and
+Used by ``tools/te_wiring_check.py``, ``tests/test_tp_reduce_transformer_engine_wiring.py`` and
 ``benchmarks/startup_cost.py``; never by a training job (the runtime checks the installed TE with
 ``megapatch.te_check``).
 """

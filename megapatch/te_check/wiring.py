@@ -23,7 +23,7 @@ and its declared wiring
   attributes it reads; ``OperationFuser`` keeps ``_basic_ops``;
 * no other TE module imports the reduce helpers, except those listed in ``NOT_WRAPPED``.
 
-Used by ``tests/test_tp_reduce_te_wiring.py`` and ``tools/te_wiring_check.py`` for every claimed
+Used by ``tests/test_tp_reduce_transformer_engine_wiring.py`` and ``tools/te_wiring_check.py`` for every claimed
 release (``tools/te_wiring_versions.json``, downloaded by ``tools/te_releases.py``), and, through
 ``megapatch.te_check.verdict`` (which caches the verdict per TE installation and imports this
 module only on a miss), by the patch's probe.

@@ -1,7 +1,7 @@
 """The Transformer Engine reduce-helper wrappers (``patches/tp_reduce_te.py``) against the
 rank-order FP32 oracle, on 4 bare gloo ranks (no TE, no megatron needed).
 
-The helpers are test_tp_reduce_te_wiring's stand-ins with the contracts of TE's
+The helpers are test_tp_reduce_transformer_engine_wiring's stand-ins with the contracts of TE's
 ``distributed.py`` (``allreduce``, ``reduce_scatter_along_first_dim``), wrapped by the patch's own
 wrapper functions as the engine wraps TE's. Partials depend on position, TP rank and DP rank;
 sizes are not divisible by TP; the layouts are TP=4 (order-sensitive FP32 sums: fp32-accumulate
@@ -19,7 +19,7 @@ MODES = ("fp32", "fp32-accumulate")
 
 
 def _cases(group, tp, tp_rank, dp_rank, kind):
-    from test_tp_reduce_te_wiring import _standin_helpers
+    from test_tp_reduce_transformer_engine_wiring import _standin_helpers
 
     helpers = _standin_helpers()
     ar, rs = helpers["allreduce"], helpers["reduce_scatter_along_first_dim"]
