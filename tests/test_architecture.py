@@ -21,7 +21,7 @@ from megapatch.core import options
 from conftest import REPO
 
 RUNTIME = ("megapatch.core", "megapatch.numerics", "megapatch.patches", "megapatch.te_check",
-           "megapatch.integrations")
+           "megapatch.integrations", "megapatch._checkout")
 
 
 def _wheel_layout(tmp_path):

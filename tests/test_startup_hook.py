@@ -13,7 +13,7 @@ from conftest import REPO, run_python
 
 FP32 = {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}
 # what the hook itself may add to a process that never imports megatron
-HOOK_MODULES = {"megapatch", "megapatch.core", "megapatch.core.startup", "megapatch.core.errors"}
+HOOK_MODULES = {"megapatch", "megapatch._checkout", "megapatch.core", "megapatch.core.startup"}
 STATUS = """
 import megapatch
 s = megapatch.status()
