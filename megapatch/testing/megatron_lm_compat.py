@@ -231,13 +231,17 @@ class _Applied:
         self.active = False
 
     def replace(self, owner, workaround: Workaround) -> None:
-        if not hasattr(owner, workaround.attr):
+        # ``attr`` may be dotted (``Class.method``): the last part is replaced on its owner
+        *path, leaf = workaround.attr.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, leaf):
             if workaround.optional:
                 return
             raise RuntimeError(
                 f"megapatch.testing.cpu_launch: {workaround.module}.{workaround.attr} not found "
                 f"(needed for: {workaround.replaces}); this Megatron-LM is not supported")
-        self.replacements.replace(owner, workaround.attr, workaround.make)
+        self.replacements.replace(owner, leaf, workaround.make)
 
 
 def _on_import(applied: _Applied, module_name: str,
@@ -252,15 +256,16 @@ def _on_import(applied: _Applied, module_name: str,
 
 
 @contextlib.contextmanager
-def megatron_lm_workarounds() -> Iterator[None]:
-    """Applies :data:`WORKAROUNDS` (``torch.cuda`` now, Megatron-LM modules when imported) and the
-    ``Tensor.type()`` report on this thread; restores everything on exit. Not re-entrant."""
+def megatron_lm_workarounds(extra: Tuple[Workaround, ...] = ()) -> Iterator[None]:
+    """Applies :data:`WORKAROUNDS` then ``extra`` (``torch.cuda`` now, Megatron-LM modules when
+    imported) and the ``Tensor.type()`` report on this thread; restores everything on exit. Not
+    re-entrant. ``extra``: e.g. the converter's stand-ins (:mod:`megapatch.testing.convert_compat`)."""
     import wrapt
 
     applied = _Applied()
     applied.active = True
     by_module: dict = {}
-    for workaround in WORKAROUNDS:
+    for workaround in WORKAROUNDS + tuple(extra):
         by_module.setdefault(workaround.module, []).append(workaround)
     try:
         for module_name, workarounds in by_module.items():

@@ -1,0 +1,92 @@
+"""Run Megatron-LM's unmodified checkpoint converter on a CPU-only machine.
+
+Usage (from the Megatron-LM checkout, one process: the converter forks its own saver)::
+
+    python -m megapatch.testing.convert_launch tools/checkpoint/convert.py --model-type GPT \\
+        --loader llama_mistral --checkpoint-type hf --model-size llama3 \\
+        --load-dir HF_DIR --tokenizer-model HF_DIR \\
+        --saver core --saver-transformer-impl local --save-dir OUT --target-tensor-parallel-size 2
+
+The script runs as ``__main__`` with ``sys.path[0]`` set to its directory, exactly as ``python
+tools/checkpoint/convert.py`` does. Around it, the CUDA-only calls are redirected to the stand-ins of
+:mod:`megapatch.testing.cpu_compat`, :mod:`megapatch.testing.megatron_lm_compat` and
+:mod:`megapatch.testing.convert_compat` (the converter's own, C1-C11 there) through the same
+apply/restore mechanism as :mod:`megapatch.testing.cpu_launch`. The forked saver inherits them.
+
+One thing the launcher adds on purpose: ``convert.py`` only ``join()``s its saver process
+(``tools/checkpoint/convert.py:160-166``), so it exits 0 when the saver dies (e.g. ``ValueError:
+num_attention_heads (4) must be a multiple of tensor_model_parallel_size (8)``). The saver's own
+traceback is printed as upstream prints it; this launcher then exits 1 with one line naming the
+saver's exit code. An error raised in the loader (this process) propagates unchanged; the saver is
+then stopped so the job does not hang on its queue.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+USAGE = "usage: python -m megapatch.testing.convert_launch tools/checkpoint/convert.py [convert.py args...]"
+PREFIX = "megapatch.testing.convert_launch"
+#: exit code when convert.py returned but a process it started (the saver) failed
+SAVER_FAILED = 1
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        print(f"{PREFIX}: script not found: {argv[0]}\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+
+    sys.argv = [script, *argv[1:]]
+    sys.path[0] = os.path.dirname(script)
+    # what validate_args requires for TP > 1 before Blackwell (arguments.py:951), as on a GPU
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+    import multiprocessing.process
+
+    from megapatch.testing.convert_compat import CONVERTER_WORKAROUNDS
+    from megapatch.testing.cpu_compat import Replacements, cpu_workarounds
+    from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds
+
+    started: list = []
+
+    def recording_start(original):
+        def start(self):
+            started.append(self)
+            return original(self)
+
+        return start
+
+    tracking = Replacements()
+    tracking.replace(multiprocessing.process.BaseProcess, "start", recording_start)
+    try:
+        with megatron_lm_workarounds(CONVERTER_WORKAROUNDS), cpu_workarounds():
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except BaseException:
+                for process in started:
+                    if process.is_alive():
+                        process.terminate()
+                        process.join(10)
+                raise
+    finally:
+        tracking.restore()
+
+    failed = [p for p in started if p.exitcode not in (0, None)]
+    if failed:
+        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in failed)
+        print(f"{PREFIX}: {os.path.basename(script)} returned, but a process it started failed "
+              f"({codes}; its error is printed above); convert.py itself would exit 0 here "
+              f"(it only joins its saver)", file=sys.stderr, flush=True)
+        raise SystemExit(SAVER_FAILED)
+
+
+if __name__ == "__main__":
+    main()
