@@ -4,17 +4,19 @@ oracle). Needs the ``llama`` extra (``pip install '.[llama]'``) and the pinned M
 
 Tolerances come from measurement (``results/llama_hf.md`` has the benchmark's figures):
 
-* FP32 conversion check: Megatron FP32 vs transformers FP32 measured 3.9e-7 .. 4.4e-7 relative
-  L2 at TP 1/2 (summation-order noise); the bound is 1e-5 (>20x margin). A checkpoint whose
-  gate/up halves are swapped measures ~1 (asserted > 1e-2, i.e. it fails the bound by >1000x).
-* BF16 error vs transformers FP32: 1.3e-2 .. 1.5e-2 for every mode, transformers' own BF16 1.5e-2.
-* Drift TP1 -> TP2 (KL(TP1||TP2)): native 1.7e-5, fp32 0 (bit-identical logits) on this model;
-  asserted: fp32 (and fp32 + FP32 logits) at most native / 4.
+* FP32 conversion check: Megatron FP32 vs transformers FP32 is summation-order noise, 6.6e-7 ..
+  7.5e-7 relative L2 in the benchmark (Llama and Qwen2.5, TP 1/2), 3.9e-7 .. 4.4e-7 in the research
+  pass on this test's model shape; the bound is 1e-5 (>10x margin). A checkpoint whose gate/up
+  halves are swapped must miss it by three orders of magnitude (asserted > 1e-2).
+* BF16 error vs transformers FP32 on this model: 1.3e-2 .. 1.5e-2 for every mode at TP 1/2,
+  transformers' own BF16 1.5e-2 (asserted: inside (1e-3, 5e-2) and below twice transformers').
+* Drift TP1 -> TP2, KL(TP1||TP2) on this model: native 1.7e-5, fp32 0 (bit-identical logits); the
+  benchmark's larger model: native 2.5e-5, fp32 2.6e-6. Asserted: fp32 (and fp32 + FP32 logits) at
+  most native / 4.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

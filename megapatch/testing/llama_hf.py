@@ -245,6 +245,19 @@ def megatron_flags(config: Mapping, ckpt, tp: int, seq: int, *, bf16: bool = Tru
     return flags + list(extra)
 
 
+def pretrain_flags(config: Mapping, ckpt, tp: int, seq: int, *, iters: int = 20, lr: float = 1e-5,
+                   micro_batch: int = 2, global_batch: int = 4) -> List[str]:
+    """``pretrain_gpt.py`` flags that continue training from a converted checkpoint: the Llama
+    flags of :func:`megatron_flags` (BF16, NullTokenizer with the checkpoint's vocabulary), plus
+    ``--finetune`` (iteration 0, no optimizer state: the converter saves none), mock data, a
+    constant learning rate, no evaluation."""
+    return megatron_flags(config, ckpt, tp, seq, extra=[
+        "--finetune", "--train-iters", str(iters), "--lr", str(lr), "--min-lr", str(lr),
+        "--lr-decay-style", "constant", "--micro-batch-size", str(micro_batch),
+        "--global-batch-size", str(global_batch), "--mock-data", "--log-interval", "1",
+        "--eval-iters", "0", "--eval-interval", str(10 * iters + 1000)])
+
+
 def forward(checkout, flags: Sequence[str], *, tp: int, tokens_path, out_path,
             modes: Sequence[str] = tuple(MODES), vocab: int, timeout: float = 600.0,
             megapatch_env: Optional[Mapping[str, str]] = None) -> megatron_lm_runs.Run:
