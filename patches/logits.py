@@ -110,7 +110,7 @@ def _refuse_unsupported(layer) -> None:
             f"megapatch logits_dtype='fp32': the output layer is a {type(layer).__module__}."
             f"{type(layer).__qualname__}, not megatron-core's ColumnParallelLinear. Upstream refuses "
             f"an FP32 output for TE's MXFP8 LM head (TELMHeadColumnParallelLinear) too; use the "
-            f"default output layer, or unset MEGAPATCH_LOGITS_DTYPE.")
+            f"default output layer. logits_dtype was set by {state.origin('logits_dtype')}.")
 
 
 def _model_forward(wrapped, instance, args, kwargs):

@@ -37,10 +37,11 @@ import torch
 from megapatch.numerics import fp32_output_linear
 from megapatch.numerics import block_tree as tpi
 from megapatch.core.call_args import argument
-from megapatch.core.errors import OptionError, UnsupportedConfigurationError
+from megapatch.core.errors import UnsupportedConfigurationError
 from megapatch.core.registry import Patch, Target
 from megapatch.core.scope import scoped
-from megapatch.patches._common import LAYERS, MEGATRON_CORE_TP_INVARIANT_TESTED, tp_group
+from megapatch.core import state
+from megapatch.patches._common import LAYERS, MEGATRON_CORE_TP_INVARIANT_TESTED, tp_group, when
 
 CROSS_ENTROPY = "megatron.core.tensor_parallel.cross_entropy"
 MLP = "megatron.core.transformer.mlp"
@@ -52,21 +53,8 @@ _norm_owner = contextvars.ContextVar("megapatch_tp_invariant_norm_owner", defaul
 
 def _refuse(what: str, why: str):
     raise UnsupportedConfigurationError(
-        f"megapatch tp_invariant=True (env MEGAPATCH_TP_INVARIANT) does not support {what}: {why}. "
-        f"Turn it off, or unset MEGAPATCH_TP_INVARIANT.")
-
-
-def _applies(settings) -> bool:
-    if not settings.tp_invariant:
-        return False
-    # refused here, before enable() changes anything: the two modes wrap the same layers
-    if settings.tp_reduce_dtype != "native":
-        raise OptionError(
-            f"megapatch tp_invariant=True cannot be combined with tp_reduce_dtype="
-            f"{settings.tp_reduce_dtype!r} (env MEGAPATCH_TP_REDUCE_DTYPE): tp_invariant already sums "
-            f"every TP-split reduction in FP32 through its fixed tree and rounds once. Leave "
-            f"tp_reduce_dtype at 'native' (valid with tp_invariant: native).")
-    return True
+        f"megapatch tp_invariant=True does not support {what}: {why}. tp_invariant was set by "
+        f"{state.origin('tp_invariant')}.")
 
 
 def _refuse_te(layer) -> None:
@@ -211,9 +199,9 @@ def _optimizers(owner):
     return list(getattr(owner, "chained_optimizers", None) or [owner])
 
 
-# every patch here serves tp_invariant=True (and refuses what it cannot honour, see _applies)
-_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=_applies,
-                                     supports=MEGATRON_CORE_TP_INVARIANT_TESTED)
+# every patch here serves tp_invariant=True, and the guarantee needs all of them (no opt-out)
+_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=when("tp_invariant", True),
+                                     guarantee=True, supports=MEGATRON_CORE_TP_INVARIANT_TESTED)
 
 PATCHES = (
     _invariant_patch(

@@ -174,3 +174,12 @@ def test_status_says_what_the_environment_would_do():
     assert inference.split()[1:5] == ["yes", "yes", "compatible", "no"] and "opted out" in inference
     tp = next(l for l in lines if l.startswith("tp_reduce.megatron_core "))
     assert tp.split()[1] == "no" and "not requested" in tp
+
+
+def test_status_and_doctor_do_not_print_the_activation_line():
+    """They import megatron as a job would, which activates megapatch from the environment: its
+    rank-0 line ``megapatch enabled: ...`` would read as if the command switched something on."""
+    for command in (["status"], ["doctor"], ["status", "--json"]):
+        result = _cli(command, env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "megapatch enabled" not in result.stdout + result.stderr, command

@@ -70,6 +70,15 @@ def test_missing_command_exits_127():
     assert result.returncode == 127 and "command not found: megapatch-no-such-command" in result.stderr
 
 
+def test_a_file_that_cannot_be_executed_exits_126_with_one_line(tmp_path):
+    script = tmp_path / "no-shebang"
+    script.write_text("echo hello\n")
+    script.chmod(0o755)  # executable, but no #! line: exec fails with ENOEXEC, as in a shell
+    result = _launch(["--", str(script)])
+    assert result.returncode == 126, result.stderr
+    assert result.stderr.strip() == f"megapatch-run: cannot run {script}: Exec format error"
+
+
 def test_exit_status_and_arguments_pass_through():
     result = _launch(["--", sys.executable, "-c", "import sys; print(sys.argv[1:]); sys.exit(7)",
                       "--strict", "a b"])

@@ -283,8 +283,9 @@ class _Group:
 def invariant_settings(monkeypatch):
     from megapatch.core import options, state
 
-    def use(width):
+    def use(width, source="env MEGAPATCH_TP_INVARIANT_WIDTH"):
         monkeypatch.setattr(state, "_current", options.Settings(tp_invariant=True, tp_invariant_width=width))
+        monkeypatch.setattr(state, "_sources", {"tp_invariant": "enable()", "tp_invariant_width": source})
     return use
 
 
@@ -294,11 +295,16 @@ def test_a_tp_size_that_does_not_divide_the_width_is_refused(invariant_settings)
 
     invariant_settings(4)
     assert blocks_per_rank(_Group(2)) == 2 and blocks_per_rank(_Group(4)) == 1
-    with pytest.raises(OptionError, match=r"tp_invariant_width=4 \(env MEGAPATCH_TP_INVARIANT_WIDTH\).*"
-                                          r"tensor-parallel size 8.*Valid widths for TP=8: 8, 16"):
+    with pytest.raises(OptionError, match=r"tp_invariant_width=4 \(MEGAPATCH_TP_INVARIANT_WIDTH=4 in the "
+                                          r"environment; unset MEGAPATCH_TP_INVARIANT_WIDTH.*"
+                                          r"tensor-parallel size 8.*Valid widths for TP=8: 8, 16, 32, 64, 128$"):
         blocks_per_rank(_Group(8))
     with pytest.raises(OptionError, match="has size 6, not divisible by tp_invariant_width=4"):
         check_divisible("the vocabulary", 6, 3, _Group(2))
+    invariant_settings(4, source="enable()")  # the message names what really set it
+    with pytest.raises(OptionError) as refused:
+        blocks_per_rank(_Group(8))
+    assert "enable(tp_invariant_width=4)" in str(refused.value) and "MEGAPATCH_" not in str(refused.value)
 
 
 @pytest.mark.parametrize("value", ["3", "0", "-8", "eight", "1.5"])
@@ -317,11 +323,37 @@ def test_combining_with_fp32_reductions_is_refused():
     from megapatch.core.errors import OptionError
 
     try:
-        with pytest.raises(OptionError, match="tp_invariant=True cannot be combined with tp_reduce_dtype="):
+        with pytest.raises(OptionError, match=r"tp_invariant=True \(from enable\(tp_invariant=True\).*cannot be "
+                                              r"combined with tp_reduce_dtype='fp32' \(from enable"):
             megapatch.enable(tp_invariant=True, tp_reduce_dtype="fp32")
         assert not megapatch.is_enabled()  # nothing changed
+        with pytest.raises(OptionError, match=r"cannot be combined with tp_reduce_dtype='fp32' \(from "
+                                              r"MEGAPATCH_TP_REDUCE_DTYPE=fp32 in the environment"):
+            options_resolve({"tp_invariant": True}, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
     finally:
         megapatch.disable()
+
+
+@pytest.mark.parametrize("skipped", ["tp_invariant.tensor_parallel", "tp_invariant.mlp", "tp_invariant.grad_norm"])
+def test_opting_out_of_a_patch_the_guarantee_needs_is_refused(skipped):
+    """MEGAPATCH_SKIP_PATCHES=tp_invariant.tensor_parallel once gave status OK and a run that was
+    not invariant: now enable() and the doctor's resolution refuse it."""
+    import megapatch
+    from megapatch.core import engine
+    from megapatch.core.errors import OptionError
+
+    env = {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_SKIP_PATCHES": skipped}
+    with pytest.raises(OptionError, match=f"needs every one of its patches, but {skipped} is opted out"):
+        engine.resolve({}, env)
+    with pytest.raises(OptionError, match="needs every one of its patches"):
+        megapatch.enable(tp_invariant=True, skip_patches=skipped)
+    assert not megapatch.is_enabled()
+
+
+def options_resolve(arguments, environ):
+    from megapatch.core import options
+
+    return options.resolve(arguments, environ)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu"])

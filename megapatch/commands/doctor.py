@@ -22,7 +22,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from megapatch.core.version import __version__
-from megapatch.core import engine, options, upstream_versions
+from megapatch.core import engine, options, report, upstream_versions
 from megapatch.core.report import _table
 
 OK, CANNOT_APPLY, INVALID_ENVIRONMENT = 0, 1, 2
@@ -75,7 +75,7 @@ def _activate_like_a_job(survey: dict, settings: options.Settings) -> None:
     was_enabled = engine.is_enabled()
     imported_before = "megatron.core" in sys.modules
     errors = []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, report.muted():
         warnings.simplefilter("always")
         for module in ACTIVATING_MODULES:
             if not _findable(module.split(".")[0]):

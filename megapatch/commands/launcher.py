@@ -91,8 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FileNotFoundError:
         print(f"megapatch-run: command not found: {command[0]}", file=sys.stderr)
         return 127
-    except PermissionError as exc:
-        print(f"megapatch-run: cannot run {command[0]}: {exc}", file=sys.stderr)
+    except OSError as exc:  # not executable, no shebang (ENOEXEC), a directory, ...: as a shell says
+        print(f"megapatch-run: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 126
     return 0  # not reached: exec replaced this process
 

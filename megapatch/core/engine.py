@@ -23,7 +23,6 @@ log = logging.getLogger("megapatch")
 
 _lock = threading.RLock()
 _enabled = False
-_sources: Dict[str, str] = {}
 _explicit: Dict[str, Any] = {}  # enable() arguments in force: kept until changed or disable()
 _patches: Optional[tuple] = None
 _installed: Dict[str, List[wrappers.Installed]] = {}
@@ -69,7 +68,6 @@ def enable(**arguments: Any) -> Status:
             return status()
         arguments = {**_explicit, **passed}
         settings, sources = resolve(arguments)
-        _refuse_unavailable(settings, sources)
         report.warn_unknown_env_variables()
         wanted = [p for p in patches() if _wanted(p, settings)]
         if settings.strict:
@@ -79,7 +77,7 @@ def enable(**arguments: Any) -> Status:
                     reasons = _incompatibilities(patch)
                     if reasons:
                         raise _surface_error(patch, reasons)
-        before = (_enabled, state.current(), dict(_sources), dict(_installed), dict(_skipped), dict(_failed))
+        before = (_enabled, state.current(), state.sources(), dict(_installed), dict(_skipped), dict(_failed))
         try:
             _apply(settings, sources, wanted)
         except BaseException:
@@ -103,7 +101,7 @@ def disable() -> Status:
     """Restore every original (aliases included); wrappers still referenced elsewhere pass
     through. Post-import hooks stay registered (wrapt cannot remove them) but do nothing.
     Earlier ``enable()`` arguments are forgotten."""
-    global _enabled, _sources, _explicit
+    global _enabled, _explicit
     with _lock:
         for patch in reversed(patches()):
             if patch.name in _installed:
@@ -112,7 +110,7 @@ def disable() -> Status:
         _failed.clear()
         was_enabled = _enabled
         state.set_current(options.NATIVE)
-        _sources, _explicit = {}, {}
+        _explicit = {}
         _enabled = False
         if was_enabled:
             cross_rank.reconfigured(options.NATIVE)
@@ -129,7 +127,7 @@ def status() -> Status:
     for patch in patches():
         reports.append(dataclasses.replace(_report(patch, settings), supports=supported_range(patch)))
     values = {o.name: getattr(settings, o.name) for o in options.OPTIONS}
-    sources = {o.name: _sources.get(o.name, "default") for o in options.OPTIONS}
+    sources = state.sources()
     return Status(_enabled, values, sources, installed_versions(), tuple(reports))
 
 
@@ -145,6 +143,7 @@ def resolve(arguments: Optional[dict] = None, environ=None):
                  for n in unknown for close in [difflib.get_close_matches(n, names, n=1)]]
         raise OptionError(f"{origin}={options.shown(','.join(settings.skip_patches))} names unknown "
                           f"megapatch patch(es): {', '.join(hints)}; valid patch names: {', '.join(names)}")
+    _refuse_unavailable(settings, sources)
     return settings, sources
 
 
@@ -174,8 +173,16 @@ def _refuse_unavailable(settings, sources) -> None:
         env = options.OPTIONS_BY_NAME[name].env
         if not serving:
             raise OptionUnavailableError(
-                f"megapatch option {name}={value!r} (env {env}) is not available yet: no patch in "
-                f"this megapatch version implements it")
+                f"megapatch option {name}={value!r} (from {options.origin(name, value, sources[name])}) "
+                f"is not available yet: no patch in this megapatch version implements it")
+        needed = [p.name for p in patches() if p.option == name and p.guarantee and p.applies(alone)
+                  and p.name in settings.skip_patches]
+        if needed:
+            raise OptionError(
+                f"megapatch option {name}={value!r} (from {options.origin(name, value, sources[name])}) "
+                f"needs every one of its patches, but {', '.join(needed)} is opted out (skip_patches from "
+                f"{sources.get('skip_patches')}): without it the guarantee does not hold. Remove it from "
+                f"skip_patches, or turn {name} off")
         if all(p in settings.skip_patches for p in serving):
             raise OptionError(
                 f"megapatch option {name}={value!r} ({sources.get(name)}) asks for a change, but every "
@@ -184,9 +191,8 @@ def _refuse_unavailable(settings, sources) -> None:
 
 
 def _apply(settings, sources, wanted) -> None:
-    global _enabled, _sources
-    state.set_current(settings)
-    _sources = sources
+    global _enabled
+    state.set_current(settings, sources)
     _enabled = True
     for patch in patches():
         if patch not in wanted:
@@ -209,7 +215,7 @@ def _apply(settings, sources, wanted) -> None:
 
 def _rollback(before) -> None:
     """Put back what ``_apply`` changed: wrappers, settings, sources, per-patch records."""
-    global _enabled, _sources
+    global _enabled
     enabled, settings, sources, installed, skipped, failed = before
     for name in [n for n in _installed if installed.get(n) is not _installed[n]]:
         for item in reversed(_installed.pop(name)):
@@ -223,8 +229,8 @@ def _rollback(before) -> None:
                 _installed[name] = [wrappers.install(i.target, name) for i in items]
             except Exception:  # noqa: BLE001
                 log.exception("megapatch: reinstalling %s failed", name)
-    state.set_current(settings)
-    _sources, _enabled = sources, enabled
+    state.set_current(settings, sources)
+    _enabled = enabled
     _skipped.clear()
     _skipped.update(skipped)
     _failed.clear()
@@ -336,7 +342,7 @@ def _report(patch: Patch, settings) -> PatchReport:
         return PatchReport(patch.name, patch.option, patch.summary, "skipped", reason=_skipped[patch.name])
     if _enabled and patch.applies(settings) and patch.name in settings.skip_patches:
         return PatchReport(patch.name, patch.option, patch.summary, "opted-out",
-                           reason=f"left out on purpose: skip_patches from {_sources.get('skip_patches')}")
+                           reason=f"left out on purpose: skip_patches from {state.sources()['skip_patches']}")
     if _enabled and patch.applies(settings):
         return PatchReport(patch.name, patch.option, patch.summary, "pending-import",
                            reason=f"installs when {patch.hook} is imported")

@@ -59,6 +59,8 @@ class Option:
     kind: str = "choice"
     compared: bool = True
     request: bool = True
+    #: ``{other option: (the value it must keep, why)}`` while this option asks for a change
+    requires: Mapping[str, Tuple[Any, str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind == "boolean":
@@ -170,6 +172,9 @@ OPTIONS: tuple = (
         default=False,
         help="bitwise TP invariance: every TP-split sum as W fixed blocks in one FP32 tree",
         kind="boolean",
+        # the two modes wrap the same layers
+        requires={"tp_reduce_dtype": ("native", "tp_invariant already sums every TP-split reduction "
+                                                "in FP32 through its fixed tree and rounds once")},
     ),
     Option(
         name="tp_invariant_width",
@@ -279,6 +284,31 @@ def unknown_env_variables(environ: Optional[Mapping[str, str]] = None,
     return found
 
 
+def origin(name: str, value: Any, source: str) -> str:
+    """``enable(tp_invariant=True)`` / ``MEGAPATCH_TP_INVARIANT=1`` / ``the default
+    tp_invariant=False``, and how to undo it: what a refusal says about an option's value."""
+    option = OPTIONS_BY_NAME[name]
+    if source == "enable()":
+        return f"enable({name}={value!r}); pass another {name} to enable() to change it"
+    if source.startswith("env "):
+        return f"{option.env}={option.text(value)} in the environment; unset {option.env} to change it"
+    return f"the default {name}={value!r}"
+
+
+def _check_requirements(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """An option asking for a change may require others to keep a value (``Option.requires``)."""
+    for option in OPTIONS:
+        if values[option.name] == option.default:
+            continue
+        for other, (needed, why) in option.requires.items():
+            if values[other] != needed:
+                raise OptionError(
+                    f"megapatch {option.name}={values[option.name]!r} (from "
+                    f"{origin(option.name, values[option.name], sources[option.name])}) cannot be combined "
+                    f"with {other}={values[other]!r} (from {origin(other, values[other], sources[other])}): "
+                    f"{why}. Valid with {option.name}: {other}={needed!r}.")
+
+
 def resolve(arguments: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None):
     """Return ``(Settings, sources)``; ``sources[name]`` says where each value came from.
 
@@ -298,4 +328,5 @@ def resolve(arguments: Mapping[str, Any], environ: Optional[Mapping[str, str]] =
             values[option.name] = option.default
             sources[option.name] = "default"
     disabled(environ)
+    _check_requirements(values, sources)
     return Settings(**values), sources

@@ -54,6 +54,8 @@ class Patch:
     ``supports`` maps a package to the specifier set (PEP 440) of versions the patch is tested
     on, e.g. ``{"megatron-core": ">=0.13,<0.21"}``: outside it megapatch warns (a version alone
     never refuses; the surface check does); ``megapatch.core.upstream_versions.supported_range`` reads it.
+    ``guarantee``: the option's promise needs this patch (``tp_invariant``'s bits): opting out of
+    it while the option asks for a change is refused.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Patch:
     package: str = "megatron-core"
     watches: Tuple[str, ...] = ()
     supports: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    guarantee: bool = False
 
 
 def discover() -> Tuple[Patch, ...]:

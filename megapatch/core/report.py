@@ -11,12 +11,13 @@ root logger) and removes it again once the application configures its own handle
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
 import threading
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 from megapatch.core import options
 
@@ -140,9 +141,24 @@ def ensure_visible() -> None:
         _level_set_here = True
 
 
+_muted = 0
+
+
+@contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """No job-log lines in this block: ``megapatch doctor`` / ``status`` import megatron as a job
+    would, and the activation that triggers must not read as if the command switched anything on."""
+    global _muted
+    _muted += 1
+    try:
+        yield
+    finally:
+        _muted -= 1
+
+
 def job_line(level: str, message: str) -> bool:
     """Log ``message`` on rank 0 only. Returns whether this process logged it."""
-    if job_rank() != 0:
+    if _muted or job_rank() != 0:
         return False
     ensure_visible()
     getattr(log, level)(message)

@@ -26,10 +26,10 @@ from typing import List, Optional, Sequence
 import torch
 from torch.distributed import distributed_c10d as c10d
 
-from megapatch.core import state
+from megapatch.core import options, state
 from megapatch.core.errors import OptionError
 
-WIDTH_OPTION, WIDTH_ENV = "tp_invariant_width", "MEGAPATCH_TP_INVARIANT_WIDTH"
+WIDTH_OPTION = "tp_invariant_width"
 
 
 def active() -> bool:
@@ -44,9 +44,9 @@ def blocks_per_rank(group) -> int:
     """W / t for this TP group; refuses a TP size that does not divide W."""
     w, t = width(), group_size(group)
     if w % t:
-        valid = ", ".join(str(v) for v in (2 ** i for i in range(11)) if v % t == 0 and v >= t)
+        valid = ", ".join(str(v) for v in options.OPTIONS_BY_NAME[WIDTH_OPTION].choices if v % t == 0)
         raise OptionError(
-            f"megapatch tp_invariant: {WIDTH_OPTION}={w} (env {WIDTH_ENV}) is not a multiple of the "
+            f"megapatch tp_invariant: {WIDTH_OPTION}={w} ({state.origin(WIDTH_OPTION)}) is not a multiple of the "
             f"tensor-parallel size {t}; results are TP-invariant only for TP sizes dividing the width. "
             f"Valid widths for TP={t}: {valid}")
     return w // t
@@ -62,7 +62,7 @@ def check_divisible(what: str, full: int, local: int, group) -> int:
     if local % nb:
         raise OptionError(
             f"megapatch tp_invariant: {what} has size {full}, not divisible by "
-            f"{WIDTH_OPTION}={width()} (env {WIDTH_ENV}); every TP-split dimension must split into "
+            f"{WIDTH_OPTION}={width()} ({state.origin(WIDTH_OPTION)}); every TP-split dimension must split into "
             f"W equal blocks. Use a width that divides {full} (a power of two that every TP size "
             f"divides), or pad the dimension.")
     return local // nb
