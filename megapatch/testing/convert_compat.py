@@ -39,12 +39,13 @@ C9     ``checkpointing.py:343`` ``torch.cuda.get_rng_state()``             ``meg
 C10    ``megatron/training/utils.py:448`` ``get_device_arch_version``       ``megatron_lm_compat``
        (TP > 1, from ``arguments.py:928``)                                 + ``CUDA_DEVICE_MAX_
                                                                            CONNECTIONS=1``
-C11    ``core/utils.py:518-543`` ``get_pg_size``/``get_pg_rank`` answer     ``megatron.core.utils``
-       1/0 while ``torch.distributed`` is uninitialised, ignoring the       records below
-       converter's ``_ConverterFakeProcessGroup(size=TP)``; ``core/utils.py:489-497``
+C11    ``core/utils.py:518-530`` ``get_pg_size`` answers 1 while            ``megatron.core.utils``
+       ``torch.distributed`` is uninitialised, ignoring the converter's     records below
+       ``_ConverterFakeProcessGroup(size=TP)``; ``core/utils.py:489-497``
        ``get_tensor_model_parallel_group_if_none`` drops it. Without them the TP > 1 saver builds
        unpartitioned layers and dies ("The size of tensor a (1024) must match the size of tensor
-       b (512)", ``schema_base.py:50``)
+       b (512)", ``schema_base.py:50``). ``get_pg_rank`` (same lines) is left alone: it only
+       places the random initial values the saver overwrites (shards verified bit-identical)
 =====  =================================================================  =========================
 
 Not stand-ins but what a user of the converter meets (written down in ``results/llama_hf.md``):
@@ -137,14 +138,6 @@ def _fake_group_size(original):
     return get_pg_size
 
 
-def _fake_group_rank(original):
-    @functools.wraps(original)
-    def get_pg_rank(group=None):
-        return group.rank() if _is_converter_group(group) else original(group)
-
-    return get_pg_rank
-
-
 def _fake_tp_group_if_none(original):
     import torch
 
@@ -181,8 +174,6 @@ CONVERTER_WORKAROUNDS: Tuple[Workaround, ...] = (
                "megatron/training/checkpointing.py:535 in save_checkpoint", _none_while_uninitialised),
     Workaround(_UTILS, "get_pg_size", "core/utils.py:518-530 ignores _ConverterFakeProcessGroup",
                _fake_group_size),
-    Workaround(_UTILS, "get_pg_rank", "core/utils.py:533-543 ignores _ConverterFakeProcessGroup",
-               _fake_group_rank),
     Workaround(_UTILS, "get_tensor_model_parallel_group_if_none",
                "core/utils.py:489-497 returns None while torch.distributed is uninitialised",
                _fake_tp_group_if_none),
