@@ -11,8 +11,10 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   goes through the fixed tree. Its result is handed to upstream's all-reduce on TP rank 0 only
   (zeros elsewhere): a sum of one value and zeros is exact, so upstream's reduction keeps the bits.
   The logits max and the target-logit sum (one non-zero per token) are exact in any order.
-* ``MLP.forward``: only refusals (Transformer Engine layers and activations, fused
-  bias-activation, gated linear units); the activation is elementwise and position-independent.
+* ``MLP.forward``: refusals (Transformer Engine layers and activations, fused bias-activation),
+  and, for a gated linear unit (SwiGLU), marks its fc1: rank r holds [gate_r; up_r], so the column
+  blocks split gate and up apart and the dgrad tree pairs gate block k with up block k
+  (``block_tree.column_blocks``). The activation is elementwise and position-independent.
 * ``get_grad_norm_fp32`` (inside an optimizer's ``get_grad_norm``/``clip_grad_norm``): the sum of
   squared gradients per parameter goes through the fixed tree along its partition dim, parameters
   added in their fixed order.
@@ -21,8 +23,11 @@ Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zer
 all-gathers, layer norms and replicated parameters' gradients (same full tensors on every rank),
 core attention (per head), the MLP activation, the loss average, Adam (elementwise).
 
+Llama-shaped models (SwiGLU, RMSNorm, RoPE, grouped-query attention with at least as many KV
+groups as the TP size, untied output layer, no biases) are covered.
+
 Refused in this mode (with the reason): sequence parallelism, Transformer Engine modules, fused
-bias-activation, gated linear units, gradient-accumulation fusion, deferred embedding wgrad,
+bias-activation, fewer KV groups than the TP size, gradient-accumulation fusion, deferred embedding wgrad,
 expert-parallel layers, the distributed optimizer, pipeline-parallel grad norms, and
 ``tp_reduce_dtype`` other than native (this mode already sums in FP32 through its own tree).
 """
@@ -49,6 +54,7 @@ OPTIMIZER = "megatron.core.optimizer.optimizer"
 CLIP_GRADS = "megatron.core.optimizer.clip_grads"
 
 _norm_owner = contextvars.ContextVar("megapatch_tp_invariant_norm_owner", default=None)
+_gated_fc1 = contextvars.ContextVar("megapatch_tp_invariant_gated_fc1", default=None)
 
 
 def _refuse(what: str, why: str):
@@ -79,16 +85,21 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     if getattr(instance, "explicit_expert_comm", False):
         _refuse("expert-parallel linear layers", "not implemented for this mode yet")
     group = tp_group(instance)
+    groups = getattr(getattr(instance, "config", None), "num_query_groups", None)
+    if groups is not None and groups < tpi.group_size(group):
+        _refuse(f"num_query_groups={groups} (--num-query-groups) below the TP size {tpi.group_size(group)}",
+                "the key/value gradients of one group are then summed across ranks outside the fixed tree")
     allreduce_dgrad = argument(args, kwargs, 4, "allreduce_dgrad", False)
     if tpi.group_size(group) > 1 and not allreduce_dgrad:
         _refuse("a column-parallel layer whose dgrad is reduced outside it",
                 "that reduction would sum TP partials natively")
     nb = tpi.blocks_per_rank(group)
-    tpi.check_divisible(f"{type(instance).__name__} output features",
-                        weight.shape[0] * tpi.group_size(group), weight.shape[0], group)
+    halves = 2 if _gated_fc1.get() is instance else 1  # SwiGLU's fc1: [gate_r; up_r] on rank r
+    tpi.check_divisible(f"{type(instance).__name__} output features" + (" (each of gate, up)" if halves == 2 else ""),
+                        weight.shape[0] // halves * tpi.group_size(group), weight.shape[0] // halves, group)
     # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
     out_dtype = fp32_output_linear.requested_output_dtype()
-    return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype)
+    return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype, halves)
 
 
 def _row_forward(wrapped, instance, args, kwargs):
@@ -145,11 +156,12 @@ def _mlp_forward(wrapped, instance, args, kwargs):
         _refuse("use_te_activation_func", "Transformer Engine kernels choose their blocking by shape")
     if config.bias_activation_fusion:
         _refuse("bias_activation_fusion", "the fused kernels are not verified for this mode yet")
-    if config.gated_linear_unit:
-        _refuse("gated_linear_unit", "not verified for this mode yet")
     for layer in (instance.linear_fc1, instance.linear_fc2):
         _refuse_te(layer)
-    return wrapped(*args, **kwargs)
+    if not config.gated_linear_unit:
+        return wrapped(*args, **kwargs)
+    with scoped(_gated_fc1, instance.linear_fc1):  # its column blocks split gate and up apart
+        return wrapped(*args, **kwargs)
 
 
 # -- gradient norm -------------------------------------------------------------------------------
@@ -221,7 +233,7 @@ PATCHES = (
     ),
     _invariant_patch(
         name="tp_invariant.mlp",
-        summary="refuses MLP configurations tp_invariant does not cover (TE, fused, GLU)",
+        summary="refuses MLP configurations tp_invariant does not cover (TE, fused); marks a gated fc1 (SwiGLU)",
         hook=MLP,
         targets=(Target(MLP, "MLP.forward", _mlp_forward, kind="method", params=("self", "hidden_states")),),
     ),

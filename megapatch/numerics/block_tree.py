@@ -124,6 +124,22 @@ def _slices(size: int, nb: int) -> List[slice]:
     return [slice(i * step, (i + 1) * step) for i in range(nb)]
 
 
+def column_blocks(rows: int, nb: int, halves: int = 1):
+    """Row slices of a column-parallel weight: ``(layout order, tree order)``.
+
+    ``halves=2`` is a gated fc1 (SwiGLU): rank r holds [gate_r; up_r], so each half is cut into its
+    own ``nb`` blocks -- the blocks then hold the same rows of the full gate and up weights at
+    every TP size -- and the fixed tree pairs gate block k with up block k at its leaves, which
+    keeps a rank's blocks one complete subtree (W gate + W up leaves in all)."""
+    half = rows // halves
+    step = half // nb
+    per_half = [[slice(h * half + b * step, h * half + (b + 1) * step) for b in range(nb)]
+                for h in range(halves)]
+    layout = [s for blocks in per_half for s in blocks]
+    tree = [per_half[h][b] for b in range(nb) for h in range(halves)]
+    return layout, tree
+
+
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy if it is a view: megatron's cross entropy modifies FP32 logits in place,
     which autograd forbids on a view returned by a custom Function."""
@@ -135,15 +151,17 @@ class ColumnParallel(torch.autograd.Function):
 
     forward: each block of N/W output features is one [M, K] x [K, N/W] FP32 GEMM (+ bias),
     rounded once. backward: dgrad is the tree sum of the W blocks' [M, N/W] x [N/W, K] partials
-    (over the TP group when ``reduce_dgrad``); wgrad and bias grad are per block."""
+    (over the TP group when ``reduce_dgrad``); wgrad and bias grad are per block. ``halves=2``: a
+    gated fc1 (see ``column_blocks``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None):
+    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None, halves=1):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
+        ctx.halves = halves
         x2 = f32(x.reshape(-1, x.shape[-1]))
         outs = []
-        for sl in _slices(weight.shape[0], nb):
+        for sl in column_blocks(weight.shape[0], nb, halves)[0]:
             out = x2 @ f32(weight[sl]).t()
             if bias is not None:
                 out = out + f32(bias[sl])
@@ -156,10 +174,11 @@ class ColumnParallel(torch.autograd.Function):
         x2 = f32(x.reshape(-1, x.shape[-1]))
         g2 = grad.reshape(-1, grad.shape[-1])
         partials, wgrads, bgrads = [], [], []
-        for sl in _slices(weight.shape[0], ctx.nb):
+        layout, tree = column_blocks(weight.shape[0], ctx.nb, ctx.halves)
+        if ctx.needs_input_grad[0]:
+            partials = [f32(g2[:, sl]) @ f32(weight[sl]) for sl in tree]
+        for sl in layout:
             gb = f32(g2[:, sl])
-            if ctx.needs_input_grad[0]:
-                partials.append(gb @ f32(weight[sl]))
             if ctx.needs_input_grad[1]:
                 wgrads.append(gb.t() @ x2)
             if ctx.has_bias:
@@ -172,7 +191,7 @@ class ColumnParallel(torch.autograd.Function):
             wgrad = torch.cat(wgrads, dim=0).to(weight.dtype)
         if bgrads:
             bgrad = torch.cat(bgrads).to(weight.dtype)
-        return dgrad, wgrad, bgrad, None, None, None, None
+        return dgrad, wgrad, bgrad, None, None, None, None, None
 
 
 class RowParallel(torch.autograd.Function):

@@ -209,10 +209,46 @@ def build_tiny_gpt(
         model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(_chunk_seed(seed, vp_stage))
         model = GPTModel(**kwargs)
+    if config.gated_linear_unit:
+        _same_glu_weights_at_every_tp(model, config, _chunk_seed(seed, vp_stage))
     # Some parameters (e.g. learned position embeddings) are created in fp32;
     # cast everything to params_dtype as Megatron-LM's Float16Module does
     # (without its fp32 cast of the outputs).
     return model.to(config.params_dtype)
+
+
+def llama_config(tp: int, num_query_groups: int = 2, **overrides: Any) -> TransformerConfig:
+    """:func:`tiny_gpt_config` for a Llama-shaped model: SwiGLU MLP, RMSNorm, grouped-query
+    attention (``num_query_groups`` KV heads), no linear biases. Build it with
+    ``build_tiny_gpt(config, ..., position_embedding_type="rope")`` (RoPE; the output layer is
+    untied by default)."""
+    import torch.nn.functional as F
+
+    fields = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+                  add_bias_linear=False, num_query_groups=num_query_groups, num_attention_heads=8)
+    fields.update(overrides)
+    return tiny_gpt_config(tp, **fields)
+
+
+def _glu_layers(model: torch.nn.Module):
+    for name, module in model.named_modules():
+        if name.endswith("mlp.linear_fc1"):
+            yield name, module
+
+
+def _same_glu_weights_at_every_tp(model: torch.nn.Module, config: TransformerConfig, seed: int) -> None:
+    """A gated fc1 holds [gate_r; up_r] on rank r, not a contiguous slice of one master weight, so
+    CPU initialisation gives a different model at each TP size. Redraw each layer's full gate and up
+    weights from a generator that knows nothing of TP, and keep this rank's rows of each."""
+    t = parallel_state.get_tensor_model_parallel_world_size()
+    r = parallel_state.get_tensor_model_parallel_rank()
+    for index, (_name, fc1) in enumerate(_glu_layers(model)):
+        local = fc1.weight.shape[0] // 2
+        full = torch.empty(2 * local * t, fc1.weight.shape[1], dtype=torch.float32)
+        full.normal_(0.0, config.init_method_std, generator=torch.Generator().manual_seed(seed + 7 * index + 1))
+        gate, up = full.chunk(2)
+        with torch.no_grad():
+            fc1.weight.copy_(torch.cat([gate[r * local:(r + 1) * local], up[r * local:(r + 1) * local]]))
 
 
 class Batch(NamedTuple):
@@ -261,22 +297,29 @@ def gather_tp_logits(logits: torch.Tensor, ctx=None) -> torch.Tensor:
     return _all_gather_cat(logits, -1, _tp_group(ctx))
 
 
+def _gather_param(name: str, tensor: torch.Tensor, param: torch.nn.Parameter, model, group) -> torch.Tensor:
+    """The unsharded tensor: gathered along the partition dim; a gated fc1's [gate_r; up_r] rows
+    reassembled as [gate; up] (the layout at TP=1)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor.detach().clone()
+    gated = getattr(getattr(model, "config", None), "gated_linear_unit", False)
+    if gated and ".mlp.linear_fc1." in f".{name}" and param.partition_dim == 0:  # (partition_stride 2)
+        gate, up = tensor.detach().chunk(2, dim=0)
+        return torch.cat([_all_gather_cat(gate, 0, group), _all_gather_cat(up, 0, group)], dim=0)
+    if getattr(param, "partition_stride", 1) != 1:
+        raise NotImplementedError(f"{name}: partition_stride != 1")
+    return _all_gather_cat(tensor, param.partition_dim, group)
+
+
 def gather_full_weights(model: torch.nn.Module, ctx=None) -> Dict[str, torch.Tensor]:
     """Unsharded copies of every parameter, keyed by name (same on all TP ranks).
 
     TP-sharded parameters (``tensor_model_parallel`` attribute) are gathered
-    along their ``partition_dim``; only ``partition_stride == 1`` is supported.
+    along their ``partition_dim`` (a gated fc1 as [gate; up]); only
+    ``partition_stride == 1`` is supported.
     """
     group = _tp_group(ctx)
-    full = {}
-    for name, param in model.named_parameters():
-        if getattr(param, "tensor_model_parallel", False):
-            if getattr(param, "partition_stride", 1) != 1:
-                raise NotImplementedError(f"{name}: partition_stride != 1")
-            full[name] = _all_gather_cat(param, param.partition_dim, group)
-        else:
-            full[name] = param.detach().clone()
-    return full
+    return {name: _gather_param(name, param, param, model, group) for name, param in model.named_parameters()}
 
 
 def gather_full_grads(model: torch.nn.Module, ctx=None) -> Dict[str, torch.Tensor]:
@@ -289,9 +332,7 @@ def gather_full_grads(model: torch.nn.Module, ctx=None) -> Dict[str, torch.Tenso
         grad = param.grad if grad is None else grad
         if grad is None:
             continue
-        if getattr(param, "tensor_model_parallel", False):
-            grad = _all_gather_cat(grad, param.partition_dim, group)
-        full[name] = grad.detach().float().clone()
+        full[name] = _gather_param(name, grad, param, model, group).float()
     return full
 
 
