@@ -209,8 +209,6 @@ def build_tiny_gpt(
         model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(_chunk_seed(seed, vp_stage))
         model = GPTModel(**kwargs)
-    if config.gated_linear_unit:
-        _same_glu_weights_at_every_tp(model, config, _chunk_seed(seed, vp_stage))
     # Some parameters (e.g. learned position embeddings) are created in fp32;
     # cast everything to params_dtype as Megatron-LM's Float16Module does
     # (without its fp32 cast of the outputs).
@@ -221,34 +219,15 @@ def llama_config(tp: int, num_query_groups: int = 2, **overrides: Any) -> Transf
     """:func:`tiny_gpt_config` for a Llama-shaped model: SwiGLU MLP, RMSNorm, grouped-query
     attention (``num_query_groups`` KV heads), no linear biases. Build it with
     ``build_tiny_gpt(config, ..., position_embedding_type="rope")`` (RoPE; the output layer is
-    untied by default)."""
+    untied by default). The gated fc1 holds [gate_r; up_r] on rank r (``partition_stride`` 2);
+    megatron's CPU initialisation splits its master weight with that stride, so the full model is
+    the same at every TP size, as for the other layers."""
     import torch.nn.functional as F
 
     fields = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
                   add_bias_linear=False, num_query_groups=num_query_groups, num_attention_heads=8)
     fields.update(overrides)
     return tiny_gpt_config(tp, **fields)
-
-
-def _glu_layers(model: torch.nn.Module):
-    for name, module in model.named_modules():
-        if name.endswith("mlp.linear_fc1"):
-            yield name, module
-
-
-def _same_glu_weights_at_every_tp(model: torch.nn.Module, config: TransformerConfig, seed: int) -> None:
-    """A gated fc1 holds [gate_r; up_r] on rank r, not a contiguous slice of one master weight, so
-    CPU initialisation gives a different model at each TP size. Redraw each layer's full gate and up
-    weights from a generator that knows nothing of TP, and keep this rank's rows of each."""
-    t = parallel_state.get_tensor_model_parallel_world_size()
-    r = parallel_state.get_tensor_model_parallel_rank()
-    for index, (_name, fc1) in enumerate(_glu_layers(model)):
-        local = fc1.weight.shape[0] // 2
-        full = torch.empty(2 * local * t, fc1.weight.shape[1], dtype=torch.float32)
-        full.normal_(0.0, config.init_method_std, generator=torch.Generator().manual_seed(seed + 7 * index + 1))
-        gate, up = full.chunk(2)
-        with torch.no_grad():
-            fc1.weight.copy_(torch.cat([gate[r * local:(r + 1) * local], up[r * local:(r + 1) * local]]))
 
 
 class Batch(NamedTuple):
