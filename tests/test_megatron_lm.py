@@ -132,6 +132,37 @@ def test_fp32_logits_reach_megatron_lm_loss(checkout):
         assert "not megatron-core's own output_dtype (PR #6252)" in fp32.log, fp32.tail()
 
 
+# Megatron-LM's Llama flags (SwiGLU, RMSNorm, RoPE, GQA, untied head, no biases); the SwiGLU
+# fusion is torch.compile'd, which the CPU launcher's device stand-in cannot serve yet
+LLAMA_FLAGS = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+               "--group-query-attention", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--no-bias-swiglu-fusion")
+
+
+def _grad_norms(run):
+    import re
+
+    return re.findall(r"grad norm: ([0-9.eE+-]+)", run.log)
+
+
+@pytest.mark.slow
+def test_tp_invariant_llama_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2(checkout):
+    """tp_invariant through Megatron-LM's own script with the Llama flags: TP=1 and TP=2 (same
+    padded vocabulary, same initial model) print identical losses and clipped grad norms at every
+    iteration; native reductions do not (the comparison can fail)."""
+    if checkout[0] != "core_v0.16.1":  # the revisions tp_invariant declares (Patch.supports)
+        pytest.skip(f"tp_invariant is tested on megatron-core 0.16 only, not {checkout[0]}")
+    printed = {}
+    for mode, env in (("invariant", {"MEGAPATCH_TP_INVARIANT": "1"}), ("native", {})):
+        for tp in (1, 2):
+            flags = mlm.tiny_gpt_flags(tp=tp, **TP_FLAGS, extra=LLAMA_FLAGS)
+            run, _ = _run(checkout, f"llama-tp{tp}-{mode}", flags, nproc=tp, megapatch_env=env)
+            printed[(mode, tp)] = (_trained(run, ITERS), _grad_norms(run))
+            assert len(printed[(mode, tp)][1]) == ITERS, run.tail()
+    assert printed[("invariant", 1)] == printed[("invariant", 2)]
+    assert printed[("native", 1)] != printed[("native", 2)]
+
+
 @pytest.mark.slow
 def test_fp8_alignment_with_interleaved_pipeline_is_bit_identical(checkout):
     """PP=2 with virtual stages, distributed optimizer, overlapped param gather / grad reduce:
