@@ -175,10 +175,15 @@ def test_fp32_logits_mode_really_produces_float32_logits(bf16_runs, tp):
     assert runs["fp32+logits-fp32"]["logits_dtype"] == "torch.float32"
 
 
-def test_tp_invariant_refuses_swiglu_today(bf16_runs):
-    for tp in (1, 2):
-        refusal = bf16_runs[tp]["tp-invariant"].get("refused", "")
-        assert "gated_linear_unit" in refusal, bf16_runs[tp]["tp-invariant"]
+def test_tp_invariant_refuses_swiglu_or_keeps_its_guarantee(bf16_runs):
+    import torch
+
+    one, two = bf16_runs[1]["tp-invariant"], bf16_runs[2]["tp-invariant"]
+    if "refused" in one or "refused" in two:  # megapatch today: SwiGLU is not verified yet
+        for result in (one, two):
+            assert "gated_linear_unit" in result.get("refused", ""), result
+    else:  # once it accepts SwiGLU: TP2 logits equal TP1's bit for bit
+        assert torch.equal(one["logits"], two["logits"])
 
 
 # --- bad input: upstream's own error reaches the user, and the run fails -------------------------

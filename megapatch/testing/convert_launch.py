@@ -17,8 +17,10 @@ One thing the launcher adds on purpose: ``convert.py`` only ``join()``s its save
 (``tools/checkpoint/convert.py:160-166``), so it exits 0 when the saver dies (e.g. ``ValueError:
 num_attention_heads (4) must be a multiple of tensor_model_parallel_size (8)``). The saver's own
 traceback is printed as upstream prints it; this launcher then exits 1 with one line naming the
-saver's exit code. An error raised in the loader (this process) propagates unchanged; the saver is
-then stopped so the job does not hang on its queue.
+saver's exit code. If the loader is still running :data:`GRACE_S` seconds after the saver died (it
+blocks on the full queue when the model is large), the launcher ends the job the same way instead
+of hanging. An error raised in the loader (this process) propagates unchanged; the saver is then
+stopped so the job does not hang on its queue.
 """
 
 from __future__ import annotations
@@ -32,6 +34,31 @@ USAGE = "usage: python -m megapatch.testing.convert_launch tools/checkpoint/conv
 PREFIX = "megapatch.testing.convert_launch"
 #: exit code when convert.py returned but a process it started (the saver) failed
 SAVER_FAILED = 1
+#: seconds the loader may keep running after the saver died before the launcher ends the job
+GRACE_S = 30.0
+
+
+def _failure_line(script: str, failed) -> str:
+    codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in failed)
+    return (f"{PREFIX}: {os.path.basename(script)} returned, but a process it started failed "
+            f"({codes}; its error is printed above); convert.py itself would exit 0 here "
+            f"(it only joins its saver)")
+
+
+def _watch(script: str, started: list, done) -> None:
+    """Ends the job when a started process died and this one is still running after GRACE_S."""
+    import time
+
+    died_at = None
+    while not done.wait(1.0):
+        failed = [p for p in list(started) if p.exitcode not in (0, None)]
+        if failed and died_at is None:
+            died_at = time.monotonic()
+        if died_at is not None and time.monotonic() - died_at > GRACE_S:
+            line = _failure_line(script, failed).replace(
+                "returned, but", f"was still running {GRACE_S:.0f} s after")
+            print(line, file=sys.stderr, flush=True)
+            os._exit(SAVER_FAILED)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -64,8 +91,12 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         return start
 
+    import threading
+
     tracking = Replacements()
     tracking.replace(multiprocessing.process.BaseProcess, "start", recording_start)
+    done = threading.Event()
+    threading.Thread(target=_watch, args=(script, started, done), daemon=True).start()
     try:
         with megatron_lm_workarounds(CONVERTER_WORKAROUNDS), cpu_workarounds():
             try:
@@ -77,14 +108,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                         process.join(10)
                 raise
     finally:
+        done.set()
         tracking.restore()
 
     failed = [p for p in started if p.exitcode not in (0, None)]
     if failed:
-        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in failed)
-        print(f"{PREFIX}: {os.path.basename(script)} returned, but a process it started failed "
-              f"({codes}; its error is printed above); convert.py itself would exit 0 here "
-              f"(it only joins its saver)", file=sys.stderr, flush=True)
+        print(_failure_line(script, failed), file=sys.stderr, flush=True)
         raise SystemExit(SAVER_FAILED)
 
 
