@@ -132,11 +132,21 @@ def test_fp32_logits_reach_megatron_lm_loss(checkout):
         assert "not megatron-core's own output_dtype (PR #6252)" in fp32.log, fp32.tail()
 
 
-# Megatron-LM's Llama flags (SwiGLU, RMSNorm, RoPE, GQA, untied head, no biases); the SwiGLU
-# fusion is torch.compile'd, which the CPU launcher's device stand-in cannot serve yet
+# Megatron-LM's Llama flags (SwiGLU, RMSNorm, RoPE, GQA, untied head, no biases)
 LLAMA_FLAGS = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                "--group-query-attention", "--num-query-groups", "2",
-               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--no-bias-swiglu-fusion")
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear")
+
+
+@pytest.mark.slow
+def test_llama_flags_train_with_the_fused_swiglu_under_the_cpu_launcher(checkout):
+    """--swiglu keeps Megatron-LM's default bias-SwiGLU fusion (torch.compile'd): the launcher's
+    stand-in for the CUDA architecture query must not be one that inductor reads (it once was:
+    BackendCompilerFailed ... no attribute 'gcnArchName')."""
+    run, _ = _run(checkout, "llama-tp2-fp32-fused", mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=LLAMA_FLAGS),
+                  nproc=2, megapatch_env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
+    _trained(run, ITERS)
+    assert "BackendCompilerFailed" not in run.log
 
 
 def _grad_norms(run):
@@ -155,7 +165,8 @@ def test_tp_invariant_llama_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2
     printed = {}
     for mode, env in (("invariant", {"MEGAPATCH_TP_INVARIANT": "1"}), ("native", {})):
         for tp in (1, 2):
-            flags = mlm.tiny_gpt_flags(tp=tp, **TP_FLAGS, extra=LLAMA_FLAGS)
+            # tp_invariant refuses fused bias-activation kernels (not verified bit-stable yet)
+            flags = mlm.tiny_gpt_flags(tp=tp, **TP_FLAGS, extra=LLAMA_FLAGS + ("--no-bias-swiglu-fusion",))
             run, _ = _run(checkout, f"llama-tp{tp}-{mode}", flags, nproc=tp, megapatch_env=env)
             printed[(mode, tp)] = (_trained(run, ITERS), _grad_norms(run))
             assert len(printed[(mode, tp)][1]) == ITERS, run.tail()
@@ -254,7 +265,11 @@ def test_launcher_stand_ins_restore_everything_and_only_report_types():
             assert x.type() == "torch.cuda.BFloat16Tensor", x.type()
             assert x.type(torch.float32).dtype == torch.float32
             torch.cuda.set_rng_state(torch.cuda.get_rng_state())
-            assert torch.cuda.get_device_properties("cuda:0").major == 0
+            # the architecture query is answered in megatron.training.utils (when it is imported),
+            # not by replacing torch.cuda.get_device_properties, which inductor reads too
+            assert "get_device_properties" not in names
+            assert any(w.module == "megatron.training.utils" and w.attr == "get_device_arch_version"
+                       and w.make(None)() == 0 for w in WORKAROUNDS)
         assert {n: getattr(torch.cuda, n) for n in names} == before
         assert x.type() == "torch.BFloat16Tensor"
         print("ok")

@@ -16,8 +16,8 @@ CPU stream (``torch.cpu.Stream`` /             (``torch.cuda.Stream()``, ``wait_
 ``torch.cuda.get_rng_state`` /                 ``RerunStateMachine._save_state`` /
 ``set_rng_state`` (CPU default generator)      ``_restore_state``; the CPU generator plays the CUDA
                                                generator, as in ``cpu_compat``
-``torch.cuda.get_device_properties``           ``training.utils.get_device_arch_version`` in
-(``major=0``: no CUDA architecture)            ``validate_args``: treated as pre-Blackwell, so TP>1
+``training.utils.get_device_arch_version``     ``torch.cuda.get_device_properties`` in
+returns 0 (no CUDA architecture)               ``validate_args``: treated as pre-Blackwell, so TP>1
                                                requires ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as on H100
 ``initialize_megatron(allow_no_cuda=True)``    ``assert torch.cuda.is_available(), "Megatron
                                                requires CUDA."``
@@ -58,7 +58,6 @@ import importlib
 import inspect
 import sys
 import threading
-import types
 from typing import Any, Callable, Iterator, Tuple
 
 from megapatch.testing.cpu_compat import Replacements, Workaround
@@ -102,10 +101,10 @@ def _cpu_set_rng_state(_original):
 
 
 def _no_cuda_architecture(_original):
-    def get_device_properties(device=None):
-        return types.SimpleNamespace(major=0, minor=0, name="cpu (megapatch.testing.cpu_launch)")
+    def get_device_arch_version():
+        return 0
 
-    return get_device_properties
+    return get_device_arch_version
 
 
 # --- megatron.training stand-ins ---------------------------------------------------------------
@@ -177,9 +176,9 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
                _cpu_get_rng_state),
     Workaround("torch.cuda", "set_rng_state", "torch.cuda.set_rng_state() in RerunStateMachine",
                _cpu_set_rng_state),
-    Workaround("torch.cuda", "get_device_properties",
-               "torch.cuda.get_device_properties('cuda:0').major in get_device_arch_version",
-               _no_cuda_architecture),
+    # (not torch.cuda.get_device_properties: torch.compile'd fusions such as bias-SwiGLU read it too)
+    Workaround("megatron.training.utils", "get_device_arch_version",
+               "torch.cuda.get_device_properties('cuda:0').major in validate_args", _no_cuda_architecture),
     Workaround(_INITIALIZE, "initialize_megatron",
                'assert torch.cuda.is_available(), "Megatron requires CUDA."', _allow_no_cuda),
     Workaround(_INITIALIZE, "_initialize_distributed",
