@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -42,6 +43,8 @@ TRAIN_RUNS = [
     ("TP2 fp32-accumulate", 2, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32-accumulate"}),
     ("TP2 logits fp32", 2, {"MEGAPATCH_LOGITS_DTYPE": "fp32"}),
     ("TP2 fp32 + logits fp32", 2, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32"}),
+    ("TP1 tp_invariant", 1, {"MEGAPATCH_TP_INVARIANT": "1"}),
+    ("TP2 tp_invariant", 2, {"MEGAPATCH_TP_INVARIANT": "1"}),
     ("TP4 native", 4, {}),
     ("TP4 fp32", 4, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}),
 ]
@@ -152,7 +155,7 @@ def _training(checkout, config, tmp, tps, commands, timings):
             raise SystemExit(f"training {column} failed ({run.returncode}):\n{run.tail()}")
         for name, value in env.items():
             option = name[len("MEGAPATCH_"):].lower()
-            if f"{option}={value} (env {name})" not in run.log:
+            if not re.search(rf"{option}=\S+ \(env {name}\)", run.log):
                 raise SystemExit(f"training {column}: the job log does not show megapatch enabled:\n{run.tail()}")
         losses[column] = run.losses
         prefix = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
@@ -178,11 +181,13 @@ def _loss_table(losses):
 
 
 def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, commands, losses) -> None:
-    modes = [m for m in BF16_MODES if "logits" in results[1][m]]
-    refused = {m: results[1][m]["refused"] for m in BF16_MODES if "refused" in results[1][m]}
+    refused = {(m, tp): results[tp][m]["refused"] for m in BF16_MODES for tp in tps
+               if "refused" in results[tp][m]}
+    modes = [m for m in BF16_MODES if (m, 1) not in refused]
+    ran = [(m, tp) for m in modes for tp in tps if (m, tp) not in refused]
     drift = {(m, tp): L.drift(results[tp][m]["logits"], results[1][m]["logits"])
-             for m in modes for tp in tps[1:]}
-    error = {(m, tp): L.compare(results[tp][m]["logits"], ref32) for m in modes for tp in tps}
+             for m, tp in ran if tp != 1}
+    error = {(m, tp): L.compare(results[tp][m]["logits"], ref32) for m, tp in ran}
     hf_bf16 = L.compare(ref16, ref32)
     env = L.env_summary()
     lines = [
@@ -240,13 +245,16 @@ def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, comman
         "| mode | TP | KL(TP1‖TPn) | max \\|Δlogit\\| | bit-identical | greedy flips |",
         "|---|---|---|---|---|---|",
     ]
-    for m in modes:
+    for m in BF16_MODES:
         for tp in tps[1:]:
-            d = drift[(m, tp)]
-            lines.append(f"| {m} | {tp} | {_fmt(d['kl'])} | {_fmt(d['max_abs'])} | "
-                         f"{d['identical']:.4f} | {d['flips']:.4f} |")
-    for m, message in refused.items():
-        lines.append(f"| {m} | all | refused: {message} | | | |")
+            if (m, tp) in refused:
+                lines.append(f"| {m} | {tp} | refused: {refused[(m, tp)]} | | | |")
+            elif (m, tp) in drift:
+                d = drift[(m, tp)]
+                lines.append(f"| {m} | {tp} | {_fmt(d['kl'])} | {_fmt(d['max_abs'])} | "
+                             f"{d['identical']:.4f} | {d['flips']:.4f} |")
+            elif (m, 1) in refused:
+                lines.append(f"| {m} | {tp} | not compared: TP1 refused ({refused[(m, 1)]}) | | | |")
     lines += [
         "",
         "## Error against transformers' FP32 forward (BF16 runs)",
@@ -258,6 +266,8 @@ def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, comman
     ]
     for m in modes:
         for tp in tps:
+            if (m, tp) not in error:
+                continue
             e = error[(m, tp)]
             lines.append(f"| Megatron {m} | {tp} | {_fmt(e['rel_l2'])} | {_fmt(e['mean_rel'])} | "
                          f"{_fmt(e['max_abs'])} | {e['argmax_agree']:.4f} | {results[tp][m]['logits_dtype']} |")
@@ -293,7 +303,7 @@ def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, comman
         "`--use-checkpoint-args` force-copies `rotary_base` from the checkpoint (10000), so pass the "
         "flags without it. The vocabulary is padded to a multiple of 128 x TP by repeating the last "
         "row: trim logits to the true vocabulary.",
-        "* `tp_invariant` refuses SwiGLU (gated linear units) today; its row records the refusal.",
+        "* A mode megapatch refuses for a configuration is recorded with its refusal message.",
         "",
         "## Timings (wall seconds, 2-core CPU)",
         "",
@@ -312,9 +322,15 @@ def _training_reading(losses) -> str:
     gaps = {c: mlm.mean_abs_difference(losses[c], reference) for c in columns[1:]}
     text = ("* **Training.** Mean |loss − " + columns[0] + "| over the iterations: "
             + "; ".join(f"{c} {v:.2e}" for c, v in gaps.items()) + ".")
+    if "TP1 tp_invariant" in losses and "TP2 tp_invariant" in losses:
+        a, b = losses["TP1 tp_invariant"], losses["TP2 tp_invariant"]
+        same = sum(a[i] == b.get(i) for i in a)
+        text += (f" tp_invariant: TP2 prints TP1's loss at {same}/{len(a)} iterations "
+                 f"(native TP2 vs TP1 native: {sum(reference[i] == losses['TP2 native'].get(i) for i in reference)}"
+                 f"/{len(reference)}).") if "TP2 native" in losses else ""
     if "TP1 logits fp32" in gaps:
         scale = gaps["TP1 logits fp32"]
-        tp_gaps = {c: v for c, v in gaps.items() if not c.startswith("TP1")}
+        tp_gaps = {c: v for c, v in gaps.items() if not c.startswith("TP1") and "tp_invariant" not in c}
         inside = [c for c, v in tp_gaps.items() if v < 2 * scale]
         text += (f" For scale: changing only the logits dtype at TP1 moves the losses by {scale:.2e}, "
                  "the size of BF16 rounding in a training step. ")
@@ -327,7 +343,7 @@ def _training_reading(losses) -> str:
 
 def _reading(tps, modes, drift, error, hf_bf16, refused):
     out = []
-    rel = {m: [error[(m, tp)]["rel_l2"] for tp in tps] for m in modes}
+    rel = {m: [error[(m, tp)]["rel_l2"] for tp in tps if (m, tp) in error] for m in modes}
     lo = min(min(v) for v in rel.values())
     hi = max(max(v) for v in rel.values())
     tp1 = {m: error[(m, 1)]["rel_l2"] for m in modes}
@@ -354,11 +370,12 @@ def _reading(tps, modes, drift, error, hf_bf16, refused):
         parts = []
         for tp in tps[1:]:
             native = drift[("native", tp)]["kl"]
-            for m in ("fp32", "fp32+logits-fp32", "fp32-accumulate", "logits-fp32"):
-                if m not in modes:
+            for m in ("fp32", "fp32+logits-fp32", "fp32-accumulate", "logits-fp32", "tp-invariant"):
+                if (m, tp) not in drift:
                     continue
-                k = drift[(m, tp)]["kl"]
-                parts.append(f"{m} TP{tp}: " + ("0 (bit-identical)" if k == 0 else f"{native / k:.1f}x"))
+                d = drift[(m, tp)]
+                parts.append(f"{m} TP{tp}: " + ("bit-identical logits" if d["identical"] == 1.0 else
+                                                "KL 0" if d["kl"] == 0 else f"{native / d['kl']:.1f}x"))
         out.append(
             "* **Agreement between TP sizes.** KL(TP1‖TPn) of native divided by each mode's "
             "(larger = the mode agrees better with its TP1): " + "; ".join(parts) + ". Greedy flips "
@@ -370,8 +387,8 @@ def _reading(tps, modes, drift, error, hf_bf16, refused):
             same = drift[("fp32-accumulate", 2)] == drift[("native", 2)]
             out.append("* `fp32-accumulate` at TP2 " + ("equals native (a two-rank sum rounds once "
                        "either way)." if same else "differs from native."))
-    for m, message in refused.items():
-        out.append(f"* `{m}`: refused on this architecture (`{message}`).")
+    for (m, tp), message in refused.items():
+        out.append(f"* `{m}` at TP{tp}: refused (`{message}`).")
     return out
 
 
