@@ -1,14 +1,34 @@
-"""``megapatch demo``: how much the logits of one tiny GPT drift when only the TP size changes,
+"""``megapatch demo``: how much the logits of one tiny model drift when only the TP size changes,
 with native BF16 reductions, fp32-accumulate, fp32 and tp-invariant (``tp_invariant=True``), on CPU
 (gloo ranks, real megatron-core).
 
-Two variants of the embedded tiny GPT (2 layers, hidden 64, vocab 128, BF16):
+Two models (``--model``):
+
+* ``gpt`` (the default): 2 layers, hidden 64, 8 heads, FFN 256, vocab 128, BF16; GELU MLP,
+  LayerNorm, learned positions, biases;
+* ``llama``: the Llama family's layer: 2 layers, hidden 128, 16 heads in 8 KV groups
+  (grouped-query attention), SwiGLU FFN 192, RMSNorm, RoPE, untied output layer, no biases, vocab
+  128, BF16 (every TP-split size divisible by 8, so TP 8 works and ``tp-invariant`` applies: KV
+  groups >= TP).
+
+Why ``gpt`` stays the default: its figures are the documented ones (README's "Fresh machine",
+docs/results.md and results/tp_invariance.md quote what plain ``megapatch demo`` prints, bit for
+bit), and switching would silently change that output for everyone following those pages. Run
+time does not decide it (both cost about the same: 58-66 s of CPU time for TP 1/2/4/8 on the
+project's 2-core machine), nor does the finding (native and fp32-accumulate drift with TP, fp32
+nearly and tp-invariant exactly invariant on both models: results/tp_invariance_llama.md).
+Llama-family users, most of megapatch's users, get their architecture with ``--model llama``; once
+the docs carry the Llama table, making it the default is a one-line change (``DEFAULT_MODEL``).
+
+Two variants of each model:
 
 * ``random``: the deterministic random initialisation (same full weights at every TP size);
 * ``outliers``: the same model with planted "massive activations": one token (the "period")
   drives two MLP neurons of layer 0, held by different TP ranks, that write large and nearly
   cancelling values into a few hidden dimensions -- the pattern real LLMs show on such tokens,
-  and the one where BF16 partial sums lose the small remainder.
+  and the one where BF16 partial sums lose the small remainder. (In the Llama model the gate and
+  the up rows of the two neurons read the period's dimension and nothing else, so the neurons stay
+  quiet on other tokens.)
 
 For each variant, mode and TP size it reports, against the same mode at TP=1: KL(p_TP1 || p_TPN),
 mean |delta log p| of the target tokens, max |delta logit|, the fraction of bit-identical logits;
@@ -36,6 +56,20 @@ DEFAULT_TP, QUICK_TP = "1,2,4,8", "1,2"
 PERIOD = 13  # the planted token
 OUTLIER_DIMS = (5, 21, 38, 50)
 
+# --model: what the table, the progress line and the plot call each model, and the llama_config
+# fields of the Llama one (a TP size must divide 16 heads, 8 KV groups, hidden 128, FFN 192, VOCAB:
+# the same TP_SIZES)
+MODELS = ("gpt", "llama")
+DEFAULT_MODEL = "gpt"
+TITLES = {"gpt": "tiny GPT", "llama": "tiny Llama"}
+DESCRIPTIONS = {"gpt": "tiny GPT", "llama": "tiny Llama (SwiGLU, RMSNorm, RoPE, 16 heads / 8 KV groups)"}
+LLAMA = dict(hidden_size=128, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=192)
+DEFAULT_PLOTS = {"gpt": "tp_invariance.png", "llama": "tp_invariance_llama.png"}
+# the Llama model's planted neurons: their gate and up weights on the period's dimension (silu(5.6)
+# * 5.6 = 32 on the period, whose dimension 0 is 11.3 after RMSNorm; fc2 then writes +2035 and
+# -2019 into each OUTLIER_DIM: a remainder of 16, which a BF16 partial sum rounds away)
+LLAMA_GATE, LLAMA_UP = 0.5, 0.5
+
 
 def _plant_outliers(model, ctx) -> None:
     """Planted massive activations, identical in the full model at every TP size."""
@@ -60,13 +94,62 @@ def _plant_outliers(model, ctx) -> None:
                     fc2[d, local] = scale
 
 
-def _logits(ctx, variant: str, tp: int):
+def _plant_llama_outliers(model) -> None:
+    """:func:`_plant_outliers` for the SwiGLU model: a gated fc1 holds [gate_r; up_r] on rank r, so
+    each planted neuron's gate row and up row both become "the period's dimension only" (zero
+    elsewhere: silu(g x0) * u x0 is ~0.1 on other tokens, 32 on the period); the neurons (the first
+    and the last TP shard's, so on different ranks at TP 2/4/8), the period's embedding and fc2's
+    nearly cancelling columns are the GELU model's."""
     import torch
-    from megapatch.testing import build_tiny_gpt, gather_tp_logits, tiny_gpt_config
+    from megatron.core import parallel_state
 
-    model = build_tiny_gpt(tiny_gpt_config(tp=tp, num_attention_heads=HEADS), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
-    if variant == "outliers":
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    emb = model.embedding.word_embeddings.weight  # [vocab/TP, hidden]
+    per_rank_vocab = emb.shape[0]
+    mlp = model.decoder.layers[0].mlp
+    fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight  # [2 ffn/TP, h] = [gate_r; up_r], [h, ffn/TP]
+    shard = fc2.shape[1]
+    ffn = shard * parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        if tp_rank == PERIOD // per_rank_vocab:
+            emb[PERIOD % per_rank_vocab, 0] = 4.0  # the period token carries dimension 0
+        for neuron, scale in ((3, 64.0), (ffn - 3, -63.5)):  # first and last TP shard
+            if neuron // shard == tp_rank:
+                local = neuron % shard
+                for row, weight in ((local, LLAMA_GATE), (shard + local, LLAMA_UP)):  # gate, up
+                    fc1[row] = 0.0  # reads the period's dimension only: quiet on other tokens
+                    fc1[row, 0] = weight
+                for d in OUTLIER_DIMS:
+                    fc2[d, local] = scale
+
+
+def _build(model_name: str, tp: int, **overrides):
+    """The demo's model ``model_name`` at TP ``tp`` (``overrides``: config fields)."""
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+
+    if model_name == "llama":
+        from megapatch.testing.tiny_gpt import llama_config
+
+        return build_tiny_gpt(llama_config(tp, **LLAMA, **overrides), vocab_size=VOCAB, seq_len=SEQ,
+                              seed=SEED, position_embedding_type="rope")
+    return build_tiny_gpt(tiny_gpt_config(tp=tp, num_attention_heads=HEADS, **overrides),
+                          vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+
+
+def _plant(model_name: str, model, ctx) -> None:
+    if model_name == "llama":
+        _plant_llama_outliers(model)
+    else:
         _plant_outliers(model, ctx)
+
+
+def _logits(ctx, variant: str, tp: int, model_name: str = DEFAULT_MODEL):
+    import torch
+    from megapatch.testing import gather_tp_logits
+
+    model = _build(model_name, tp)
+    if variant == "outliers":
+        _plant(model_name, model, ctx)
     batch = _batch()
     with torch.no_grad():
         logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
@@ -82,17 +165,14 @@ def _batch():
     return batch
 
 
-def _fp32_reference(ctx, variant: str):
+def _fp32_reference(ctx, variant: str, model_name: str = DEFAULT_MODEL):
     """The same BF16 weights held and run in FP32 at TP=1."""
     import torch
-    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
-    bf16 = build_tiny_gpt(tiny_gpt_config(tp=1, num_attention_heads=HEADS), vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+    bf16 = _build(model_name, 1)
     if variant == "outliers":
-        _plant_outliers(bf16, ctx)
-    config = tiny_gpt_config(tp=1, num_attention_heads=HEADS, params_dtype=torch.float32,
-                             pipeline_dtype=torch.float32, bf16=False)
-    model = build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
+        _plant(model_name, bf16, ctx)
+    model = _build(model_name, 1, params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False)
     model.load_state_dict(bf16.state_dict())
     batch = _batch()
     with torch.no_grad():
@@ -104,7 +184,8 @@ def _mode_options(mode: str) -> dict:
     return {"tp_invariant": True} if mode == "tp-invariant" else {"tp_reduce_dtype": mode}
 
 
-def _rank_job(ctx, tps: List[int], modes: List[str], variants: List[str]):
+def _rank_job(ctx, tps: List[int], modes: List[str], variants: List[str],
+              model_name: str = DEFAULT_MODEL):
     import megapatch
     from megapatch.testing import reinit_model_parallel
 
@@ -114,13 +195,13 @@ def _rank_job(ctx, tps: List[int], modes: List[str], variants: List[str]):
         for mode in modes:
             megapatch.enable(**_mode_options(mode))
             for variant in variants:
-                out[(variant, mode, tp)] = _logits(ctx, variant, tp)
+                out[(variant, mode, tp)] = _logits(ctx, variant, tp, model_name)
             megapatch.disable()
         if ctx.rank == 0:
             print(f"  TP={tp}: done", flush=True)
     ctx = reinit_model_parallel(ctx, tp=1)
     for variant in variants:
-        out[(variant, "fp32-reference", 1)] = _fp32_reference(ctx, variant)
+        out[(variant, "fp32-reference", 1)] = _fp32_reference(ctx, variant, model_name)
     return out if ctx.rank == 0 else None
 
 
@@ -161,7 +242,7 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: List[dict], path: str) -> bool:
+def plot(rows: List[dict], path: str, title: str = TITLES[DEFAULT_MODEL]) -> bool:
     try:
         import matplotlib
 
@@ -180,7 +261,7 @@ def plot(rows: List[dict], path: str) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tensor-parallel size")
         ax.set_ylabel("max |logit(TP=N) - logit(TP=1)|")
-        ax.set_title(f"tiny GPT ({variant})")
+        ax.set_title(f"{title} ({variant})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -201,8 +282,9 @@ def _tp_sizes(text: str) -> List[int]:
                 f"{', '.join(map(str, TP_SIZES))}") from None
         if size not in TP_SIZES:
             raise argparse.ArgumentTypeError(
-                f"TP size {size} cannot split the demo model (8 heads, hidden 64, FFN 256, vocab "
-                f"{VOCAB}); valid TP sizes: {', '.join(map(str, TP_SIZES))}")
+                f"TP size {size} cannot split the demo models (gpt: 8 heads, hidden 64, FFN 256; "
+                f"llama: 16 heads, 8 KV groups, hidden 128, FFN 192; vocab {VOCAB}); valid TP "
+                f"sizes: {', '.join(map(str, TP_SIZES))}")
         sizes.append(size)
     return sorted(set(sizes) | {1})
 
@@ -221,12 +303,18 @@ def _modes(text: str) -> List[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=MODELS, default=DEFAULT_MODEL,
+                        help="gpt: GELU, LayerNorm, learned positions, biases (default; the "
+                             "documented figures); llama: SwiGLU, RMSNorm, RoPE, grouped-query "
+                             "attention, untied output layer, no biases")
     parser.add_argument("--tp", type=_tp_sizes, default=None, metavar="SIZES",
                         help=f"comma-separated TP sizes from {{{', '.join(map(str, TP_SIZES))}}} "
                              f"(default {DEFAULT_TP}; 1, the reference, is always run)")
     parser.add_argument("--modes", type=_modes, default=list(MODES), metavar="MODES",
                         help=f"comma-separated, from {{{', '.join(MODES)}}} (default: all)")
-    parser.add_argument("--plot", default="tp_invariance.png", help="PNG path ('' for none)")
+    parser.add_argument("--plot", default=None,
+                        help="PNG path ('' for none; default tp_invariance.png, with --model llama "
+                             "tp_invariance_llama.png)")
     parser.add_argument("--json", default="", help="write the table as JSON to this path")
     parser.add_argument("--quick", action="store_true",
                         help=f"TP sizes {QUICK_TP} only (2 ranks) unless --tp is given")
@@ -259,13 +347,15 @@ def run_demo(args) -> int:
     modes = list(args.modes)
     variants = ["random", "outliers"]
     world = max(tps)
+    model_name = getattr(args, "model", DEFAULT_MODEL)
+    plot_path = DEFAULT_PLOTS[model_name] if args.plot is None else args.plot
     started = time.time()
-    print(f"megapatch demo: tiny GPT, TP sizes {tps}, modes {modes}, on {world} CPU ranks (gloo)...",
-          flush=True)
+    print(f"megapatch demo: {DESCRIPTIONS[model_name]}, TP sizes {tps}, modes {modes}, on {world} "
+          f"CPU ranks (gloo)...", flush=True)
     stderr_dir = None if args.verbose else tempfile.mkdtemp(prefix="megapatch-demo-")
     try:
         try:
-            logits = run_ranks(_rank_job, world_size=world, tp=1, args=(tps, modes, variants),
+            logits = run_ranks(_rank_job, world_size=world, tp=1, args=(tps, modes, variants, model_name),
                                timeout=900, stderr_dir=stderr_dir)[0]
         except RankFailure as exc:
             print(f"megapatch demo failed: {exc}", file=sys.stderr)
@@ -285,11 +375,11 @@ def run_demo(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
         print(f"\ntable written to {args.json}")
-    if args.plot:
-        written, more = _quietly(lambda: plot(rows, args.plot), args.verbose)
+    if plot_path:
+        written, more = _quietly(lambda: plot(rows, plot_path, TITLES[model_name]), args.verbose)
         parent_hidden += more
         if written:
-            print(f"\nplot written to {os.path.abspath(args.plot)}")
+            print(f"\nplot written to {os.path.abspath(plot_path)}")
     hidden += parent_hidden
     print(f"\n({time.time() - started:.0f} s" + (f"; {hidden} upstream warnings hidden, --verbose to show)"
                                                if hidden else ")"))
