@@ -275,3 +275,21 @@ def test_launcher_stand_ins_restore_everything_and_only_report_types():
         print("ok")
     """)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
+    """Under the CPU launcher, rank 1 raising while rank 0 waits in a collective ends the whole job
+    (non-zero, rank 1's traceback in the log) within seconds, instead of hanging until a timeout."""
+    script = tmp_path / "raises_on_rank1.py"
+    script.write_text(
+        "import os, threading, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "threading.Thread(target=lambda: threading.Event().wait(), daemon=False).start()  # a non-daemon thread\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise RuntimeError('psutil is not installed (stand-in for any rank failure)')\n"
+        "dist.barrier()  # rank 0 waits for a peer that is gone\n")
+    start = time.monotonic()
+    run = mlm.launch(tmp_path, [], nproc=2, script=str(script), timeout=240)
+    assert not run.timed_out, run.tail()
+    assert run.returncode != 0 and "psutil is not installed (stand-in" in run.log, run.tail()
+    assert time.monotonic() - start < 200

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import traceback
 import sys
 from typing import List, Optional
 
@@ -56,8 +57,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     from megapatch.testing.cpu_compat import cpu_workarounds
     from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds
 
-    with megatron_lm_workarounds(), cpu_workarounds():
-        runpy.run_path(script, run_name="__main__")
+    try:
+        with megatron_lm_workarounds(), cpu_workarounds():
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 -- end this rank now: its peers may wait in a collective
+        # An exception unwinding normally can leave the interpreter waiting at exit on gloo's
+        # threads, so torchrun never sees the rank fail and the whole job hangs (seen with
+        # --save --ckpt-format torch_dist and psutil missing); exit at once, torchrun stops the rest.
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

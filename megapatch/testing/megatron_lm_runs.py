@@ -29,7 +29,7 @@ MIN_PYTHON = {"main-d98e8a64": ((3, 12), "its megatron/training imports typing.o
 #: what ``pretrain_gpt.py`` imports besides torch and megatron-core's own dependencies
 #: (module names; pybind11 builds the dataset index helpers on first start)
 TRAINING_MODULES = ("six", "einops", "regex", "sentencepiece", "tiktoken", "yaml", "pydantic",
-                    "triton", "pybind11")
+                    "triton", "pybind11", "psutil")
 USER_CHECKOUT_ENV = "MEGATRON_LM_DIR"
 
 _LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.eE+-]+) \|")
@@ -147,9 +147,41 @@ def launch(checkout: Path, flags: Sequence[str], *, nproc: int = 1,
         log, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_tree(process.pid)
         log, _ = process.communicate()
     return Run(command, process.returncode, log, time.monotonic() - start, timed_out)
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (Linux /proc; empty elsewhere)."""
+    children: Dict[int, List[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill torchrun and its ranks: torchrun starts its workers in process groups of their own, so
+    killing its group leaves a hung rank holding the log pipe open."""
+    ranks = _descendants(pid)
+    for target in [pid, *ranks]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def mean_abs_difference(a: Mapping[int, str], b: Mapping[int, str]) -> float:
