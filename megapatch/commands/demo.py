@@ -71,8 +71,13 @@ DEFAULT_PLOTS = {"gpt": "tp_invariance.png", "llama": "tp_invariance_llama.png"}
 LLAMA_GATE, LLAMA_UP = 0.5, 0.5
 
 
-def _plant_outliers(model, ctx) -> None:
-    """Planted massive activations, identical in the full model at every TP size."""
+def _plant_outliers(model) -> None:
+    """Planted massive activations, identical in the full model at every TP size: the period
+    token carries dimension 0; two layer-0 neurons (the first and the last TP shard's, so on
+    different ranks at TP 2/4/8) read it, and fc2 writes large, nearly cancelling values into
+    OUTLIER_DIMS. A gated fc1 (SwiGLU) holds [gate_r; up_r] on rank r: each neuron's gate row and up
+    row then read the period's dimension only (zero elsewhere: silu(g x0) * u x0 is ~0.1 on other
+    tokens, 32 on the period)."""
     import torch
     from megatron.core import parallel_state
 
@@ -80,47 +85,25 @@ def _plant_outliers(model, ctx) -> None:
     emb = model.embedding.word_embeddings.weight  # [vocab/TP, hidden]
     per_rank_vocab = emb.shape[0]
     mlp = model.decoder.layers[0].mlp
-    fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight  # [ffn/TP, h], [h, ffn/TP]
-    shard = fc1.shape[0]
-    ffn = shard * parallel_state.get_tensor_model_parallel_world_size()
-    with torch.no_grad():
-        if tp_rank == PERIOD // per_rank_vocab:
-            emb[PERIOD % per_rank_vocab, 0] = 4.0  # the period token carries dimension 0
-        for neuron, scale in ((3, 64.0), (ffn - 3, -63.5)):  # first and last TP shard
-            if neuron // shard == tp_rank:
-                local = neuron % shard
-                fc1[local, 0] = 2.0
-                for d in OUTLIER_DIMS:
-                    fc2[d, local] = scale
-
-
-def _plant_llama_outliers(model) -> None:
-    """:func:`_plant_outliers` for the SwiGLU model: a gated fc1 holds [gate_r; up_r] on rank r, so
-    each planted neuron's gate row and up row both become "the period's dimension only" (zero
-    elsewhere: silu(g x0) * u x0 is ~0.1 on other tokens, 32 on the period); the neurons (the first
-    and the last TP shard's, so on different ranks at TP 2/4/8), the period's embedding and fc2's
-    nearly cancelling columns are the GELU model's."""
-    import torch
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    emb = model.embedding.word_embeddings.weight  # [vocab/TP, hidden]
-    per_rank_vocab = emb.shape[0]
-    mlp = model.decoder.layers[0].mlp
-    fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight  # [2 ffn/TP, h] = [gate_r; up_r], [h, ffn/TP]
+    fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight  # [(2 if gated) ffn/TP, h], [h, ffn/TP]
     shard = fc2.shape[1]
     ffn = shard * parallel_state.get_tensor_model_parallel_world_size()
+    gated = model.config.gated_linear_unit
     with torch.no_grad():
         if tp_rank == PERIOD // per_rank_vocab:
             emb[PERIOD % per_rank_vocab, 0] = 4.0  # the period token carries dimension 0
         for neuron, scale in ((3, 64.0), (ffn - 3, -63.5)):  # first and last TP shard
-            if neuron // shard == tp_rank:
-                local = neuron % shard
+            if neuron // shard != tp_rank:
+                continue
+            local = neuron % shard
+            if gated:
                 for row, weight in ((local, LLAMA_GATE), (shard + local, LLAMA_UP)):  # gate, up
-                    fc1[row] = 0.0  # reads the period's dimension only: quiet on other tokens
+                    fc1[row] = 0.0
                     fc1[row, 0] = weight
-                for d in OUTLIER_DIMS:
-                    fc2[d, local] = scale
+            else:
+                fc1[local, 0] = 2.0
+            for d in OUTLIER_DIMS:
+                fc2[d, local] = scale
 
 
 def _build(model_name: str, tp: int, **overrides):
@@ -136,20 +119,13 @@ def _build(model_name: str, tp: int, **overrides):
                           vocab_size=VOCAB, seq_len=SEQ, seed=SEED)
 
 
-def _plant(model_name: str, model, ctx) -> None:
-    if model_name == "llama":
-        _plant_llama_outliers(model)
-    else:
-        _plant_outliers(model, ctx)
-
-
 def _logits(ctx, variant: str, tp: int, model_name: str = DEFAULT_MODEL):
     import torch
     from megapatch.testing import gather_tp_logits
 
     model = _build(model_name, tp)
     if variant == "outliers":
-        _plant(model_name, model, ctx)
+        _plant_outliers(model)
     batch = _batch()
     with torch.no_grad():
         logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
@@ -171,7 +147,7 @@ def _fp32_reference(ctx, variant: str, model_name: str = DEFAULT_MODEL):
 
     bf16 = _build(model_name, 1)
     if variant == "outliers":
-        _plant(model_name, bf16, ctx)
+        _plant_outliers(bf16)
     model = _build(model_name, 1, params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False)
     model.load_state_dict(bf16.state_dict())
     batch = _batch()

@@ -62,17 +62,9 @@ def _watch(script: str, started: list, done) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr)
-        raise SystemExit(0 if argv else 2)
-    script = os.path.abspath(argv[0])
-    if not os.path.isfile(script):
-        print(f"{PREFIX}: script not found: {argv[0]}\n{USAGE}", file=sys.stderr)
-        raise SystemExit(2)
+    from megapatch.testing.cpu_launch import script_from
 
-    sys.argv = [script, *argv[1:]]
-    sys.path[0] = os.path.dirname(script)
+    script = script_from(argv, USAGE, PREFIX)
     # what validate_args requires for TP > 1 before Blackwell (arguments.py:951), as on a GPU
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 

@@ -39,19 +39,24 @@ def _banner(script: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
+    """The script of a launcher's command line, set up as ``python SCRIPT.py args...`` would be:
+    its own argv, its directory first on ``sys.path``. ``--help`` and a missing script exit."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr)
+        print(usage, file=sys.stderr)
         raise SystemExit(0 if argv else 2)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
-        print(f"megapatch.testing.cpu_launch: script not found: {argv[0]}\n{USAGE}", file=sys.stderr)
+        print(f"{prefix}: script not found: {argv[0]}\n{usage}", file=sys.stderr)
         raise SystemExit(2)
-
-    # as `python SCRIPT.py args...`: the script's directory first on sys.path, its own argv
     sys.argv = [script, *argv[1:]]
     sys.path[0] = os.path.dirname(script)
+    return script
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    script = script_from(argv, USAGE, "megapatch.testing.cpu_launch")
     _banner(script)
 
     from megapatch.testing.cpu_compat import cpu_workarounds
