@@ -293,3 +293,18 @@ def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
     assert not run.timed_out, run.tail()
     assert run.returncode != 0 and "psutil is not installed (stand-in" in run.log, run.tail()
     assert time.monotonic() - start < 200
+
+
+def test_the_launcher_warns_when_the_padded_vocabulary_depends_on_the_tp_size():
+    """The example flags once used --vocab-size 512 with NullTokenizer: 513 rows pad to 640 / 768 /
+    1024 at TP 1 / 2 / 4, a different model at each TP size (iteration-1 loss 6.486 vs 6.676)."""
+    from megapatch.testing.cpu_launch import padding_warning
+
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--tensor-model-parallel-size", "2"]
+    warning = padding_warning(flags)
+    assert warning and "TP=1: 640, TP=2: 768, TP=4: 1024, TP=8: 1024" in warning
+    assert "this job, TP=2: 768" in warning and "--vocab-size 1023" in warning
+    assert padding_warning(["--tokenizer-type", "NullTokenizer", "--vocab-size", "1023"]) is None
+    assert padding_warning(["--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", "512"]) is None
+    example = Path(REPO, "examples", "megatron_lm", "cpu_flags.sh").read_text()
+    assert "--vocab-size 1023" in example and padding_warning(example.split()) is None

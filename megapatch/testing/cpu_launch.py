@@ -39,6 +39,38 @@ def _banner(script: str) -> None:
           file=sys.stderr, flush=True)
 
 
+def _flag(argv: List[str], name: str, default: Optional[str] = None) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def padding_warning(argv: List[str]) -> Optional[str]:
+    """A warning when this job's padded vocabulary depends on the TP size: Megatron-LM pads
+    NullTokenizer's ``--vocab-size`` + 1 (EOD) to a multiple of ``--make-vocab-size-divisible-by``
+    x TP, so runs at different TP sizes would train different models (more output rows)."""
+    if _flag(argv, "--tokenizer-type") != "NullTokenizer" or _flag(argv, "--vocab-size") is None:
+        return None
+    try:
+        rows = int(_flag(argv, "--vocab-size")) + 1
+        divisible = int(_flag(argv, "--make-vocab-size-divisible-by", "128"))
+        tp = int(_flag(argv, "--tensor-model-parallel-size", "1"))
+    except ValueError:
+        return None
+    padded = {t: -(-rows // (divisible * t)) * divisible * t for t in (1, 2, 4, 8)}
+    here = -(-rows // (divisible * tp)) * divisible * tp
+    if len(set(padded.values()) | {here}) == 1:
+        return None
+    sizes = ", ".join(f"TP={t}: {p}" for t, p in padded.items())
+    return (f"megapatch.testing.cpu_launch: warning: the padded vocabulary depends on the TP size "
+            f"(--vocab-size {rows - 1} + EOD padded to a multiple of {divisible} x TP: {sizes}; this "
+            f"job, TP={tp}: {here}), so runs at different TP sizes train different models. For TP "
+            f"comparisons use --vocab-size {padded[8] - 1} (pads to {padded[8]} at every TP size up to 8).")
+
+
 def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
     """The script of a launcher's command line, set up as ``python SCRIPT.py args...`` would be:
     its own argv, its directory first on ``sys.path``. ``--help`` and a missing script exit."""
@@ -58,6 +90,9 @@ def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     script = script_from(argv, USAGE, "megapatch.testing.cpu_launch")
     _banner(script)
+    warning = padding_warning(sys.argv[1:])
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr, flush=True)
 
     from megapatch.testing.cpu_compat import cpu_workarounds
     from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds
