@@ -28,7 +28,7 @@ import time
 from typing import Dict, Optional
 
 from megapatch.core.errors import CrossRankMismatchError
-from megapatch.core.options import TIMEOUT_ENV
+from megapatch.core.options import DISABLE_ENV, TIMEOUT_ENV
 
 GRACE_S = 5.0
 _POLL_S = 0.05
@@ -197,7 +197,8 @@ def _compare(dist, ranks, key_of, settings, grace: float) -> None:
             raise CrossRankMismatchError(
                 f"megapatch: rank(s) {missing} of tensor-parallel group {list(ranks)} published no "
                 f"megapatch settings within {timeout:g} s ({TIMEOUT_ENV}): megapatch is not "
-                f"loaded there (no MEGAPATCH_* variable and no enable() on that rank), or that "
-                f"rank is stuck before reaching megatron. Every rank of a TP group must run "
-                f"with the same MEGAPATCH_* settings (here: {settings.fingerprint()}).")
+                f"loaded there (no MEGAPATCH_* variable and no enable() on that rank), the kill "
+                f"switch {DISABLE_ENV} is set there, or that rank is stuck before reaching "
+                f"megatron. Every rank of a TP group must run with the same MEGAPATCH_* settings "
+                f"(here: {settings.fingerprint()}).")
         time.sleep(_POLL_S)
