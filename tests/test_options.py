@@ -78,8 +78,12 @@ def test_option_without_a_patch_is_not_available_yet(monkeypatch):
     monkeypatch.setattr(engine, "_patches", kept)
     with pytest.raises(OptionUnavailableError) as err:
         megapatch.enable(tp_reduce_dtype="fp32")
-    assert "tp_reduce_dtype='fp32'" in str(err.value) and "MEGAPATCH_TP_REDUCE_DTYPE" in str(err.value)
-    assert "not available yet" in str(err.value)
+    # the message names what set the value: here the keyword, not a variable nobody set
+    assert "from enable(tp_reduce_dtype='fp32')" in str(err.value)
+    assert "MEGAPATCH_TP_REDUCE_DTYPE" not in str(err.value) and "not available yet" in str(err.value)
+    monkeypatch.setenv("MEGAPATCH_TP_REDUCE_DTYPE", "fp32")
+    with pytest.raises(OptionUnavailableError, match="from MEGAPATCH_TP_REDUCE_DTYPE=fp32 in the environment"):
+        megapatch.enable()
 
 
 def test_disable_env_turns_enable_into_a_no_op(monkeypatch):
