@@ -45,21 +45,23 @@ def test_import_contracts_are_kept(tmp_path):
     assert "4 kept, 0 broken" in result.stdout
 
 
-def test_a_runtime_module_importing_the_test_harness_breaks_a_contract(tmp_path):
+def _lint_with_added_line(tmp_path, module_file: str, line: str):
+    """``lint-imports`` over the wheel layout after appending ``line`` to ``megapatch/<module_file>``."""
     root = _wheel_layout(tmp_path)
-    state = root / "megapatch" / "core" / "state.py"
-    state.write_text(state.read_text() + "\nimport megapatch.testing.harness  # a careless import\n")
-    result = _lint_imports(root)
+    path = root / "megapatch" / module_file
+    path.write_text(path.read_text() + f"\n{line}\n")
+    return _lint_imports(root)
+
+
+def test_a_runtime_module_importing_the_test_harness_breaks_a_contract(tmp_path):
+    result = _lint_with_added_line(tmp_path, "core/state.py", "import megapatch.testing.harness  # careless")
     assert result.returncode == 1, result.stdout[-4000:]
     assert "the runtime path imports nothing from testing or commands BROKEN" in result.stdout
     assert "megapatch.core.state -> megapatch.testing.harness" in result.stdout
 
 
 def test_a_cycle_inside_the_engine_breaks_a_contract(tmp_path):
-    root = _wheel_layout(tmp_path)
-    report = root / "megapatch" / "core" / "report.py"
-    report.write_text(report.read_text() + "\nfrom megapatch.core import engine  # a cycle\n")
-    result = _lint_imports(root)
+    result = _lint_with_added_line(tmp_path, "core/report.py", "from megapatch.core import engine  # a cycle")
     assert result.returncode == 1 and "no import cycles inside a layer BROKEN" in result.stdout
 
 
