@@ -1,0 +1,209 @@
+"""CPU stand-ins that let megatron-core's *dynamic* inference engine run unmodified on CPU ranks.
+
+Used inside :func:`~megapatch.testing.cpu_compat.cpu_workarounds` (which the harness enters):
+:func:`dynamic_inference_workarounds` adds the replacements in :data:`WORKAROUNDS`, applied and
+restored through the same ``Replacements`` helper, plus a thread-local torch-function mode that
+drops ``pin_memory=True`` (a transfer-speed property: the values are the same without it).
+
+Attention: the dynamic engine calls flash-attn's paged kernels (``flash_attn_varlen_func`` with a
+``block_table`` for prefill and mixed steps, ``flash_attn_with_kvcache`` for decode-only steps).
+The stand-ins honour their contract -- causal attention, aligned to the end of each request's
+key/value history, read from the paged cache through the block table, output in the query dtype
+-- with the arithmetic of megatron-core's local ``DotProductAttention``: a BF16 (params-dtype)
+Q·Kᵀ scaled by 1/sqrt(d), an FP32 softmax rounded back to the params dtype, and a BF16
+probabilities·V. So a rollout and the training forward run the same attention arithmetic, and
+what separates them is the cache, the query shapes (one token per decode step) and the logits.
+flash-attn itself accumulates in FP32 with an online softmax: its own rounding is not modelled.
+
+What stays unrun on CPU: CUDA graphs (``enable_cuda_graph`` must be False; the stand-ins refuse
+nothing, the engine simply never captures), the Triton KV-append kernel (upstream's own torch
+fallback runs instead), unified memory, symmetric-memory all-reduces, FlashInfer RoPE, MLA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator, Tuple
+
+import torch
+
+from megapatch.testing.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
+
+__all__ = ["dynamic_inference_workarounds", "WORKAROUNDS", "paged_causal_attention"]
+
+ATTENTION = "megatron.core.transformer.attention"
+DYNAMIC_CONTEXT = "megatron.core.inference.contexts.dynamic_context"
+
+
+def _gather_pages(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of one request's paged cache: [length, heads, dim]."""
+    return cache[blocks.long()].flatten(0, 1)[:length]
+
+
+def paged_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           kv_length: int, blocks: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's attention: ``q`` [q_len, heads, dim] are its last ``q_len`` positions; the
+    keys and values are its first ``kv_length`` cached positions (causal, end-aligned)."""
+    k = _gather_pages(k_cache, blocks, kv_length)
+    v = _gather_pages(v_cache, blocks, kv_length)
+    q_len = q.shape[0]
+    if k.shape[1] != q.shape[1]:  # grouped-query attention
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, len, dim]
+    scores = torch.baddbmm(torch.empty(qh.shape[0], q_len, kv_length, dtype=q.dtype),
+                           qh, kh.transpose(1, 2), beta=0.0, alpha=scale)
+    rows = torch.arange(q_len).unsqueeze(1) + (kv_length - q_len)
+    mask = torch.arange(kv_length).unsqueeze(0) > rows
+    probs = scores.float().masked_fill(mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.bmm(probs, vh).transpose(0, 1)  # [q_len, heads, dim]
+
+
+def _varlen(_original):
+    # Replaces flash_attn.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    # max_seqlen_q, max_seqlen_k, softmax_scale=, causal=True, block_table=) as
+    # Attention.flash_decode_and_prefill calls it on prefill and mixed steps.
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, block_table=None, **_unused):
+        if not causal or block_table is None:
+            raise NotImplementedError("CPU stand-in: only the paged causal call of the dynamic engine")
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1] (padding) stay zero
+        q_bounds, kv_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for i in range(len(q_bounds) - 1):
+            start, end = q_bounds[i], q_bounds[i + 1]
+            if end > start:
+                out[start:end] = paged_causal_attention(
+                    q[start:end], k, v, kv_bounds[i + 1] - kv_bounds[i], block_table[i], scale)
+        return out
+
+    return flash_attn_varlen_func
+
+
+def _with_kvcache(_original):
+    # Replaces flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, causal=True,
+    # block_table=, num_splits=) on decode-only steps: q is [batch, 1, heads, dim].
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False,
+                                block_table=None, softmax_scale=None, **_unused):
+        if block_table is None or cache_seqlens is None:
+            raise NotImplementedError("CPU stand-in: only the paged call of the dynamic engine")
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        out = torch.zeros_like(q)
+        for i, length in enumerate(cache_seqlens.tolist()):
+            if length > 0:
+                out[i] = paged_causal_attention(q[i], k_cache, v_cache, length, block_table[i], scale)
+        return out
+
+    return flash_attn_with_kvcache
+
+
+def _fa_version(_original):
+    # Replaces megatron.core.utils.is_fa_min_version as attention.py imported it: the dynamic
+    # engine asserts flash-attn >= 2.7.3 (paged varlen); the stand-ins above honour that API.
+    return lambda version, check_equality=True: True
+
+
+def _no_triton_append(_original):
+    # The Triton KV-append kernel cannot launch on CPU; None selects upstream's own torch path
+    # (DynamicInferenceContext.append_key_value_cache), which writes the same cache slots.
+    return None
+
+
+class _CpuEvent:
+    """torch.cuda.Event(enable_timing=True) for the engine's step timing: wall clock."""
+
+    def __init__(self, *args, **kwargs):
+        self._t = None
+
+    def record(self, stream=None):
+        self._t = time.perf_counter()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return (end._t - self._t) * 1000.0
+
+
+def _cpu_event(_original):
+    # Replaces torch.cuda.Event in DynamicInferenceEngine.reset/async_bookkeep (step timing).
+    return _CpuEvent
+
+
+def _empty_memory_stats(_original):
+    # Replaces torch.cuda.memory_stats / reset_peak_memory_stats (logging only in the engine).
+    return lambda *args, **kwargs: {}
+
+
+def _no_nvtx(_original):
+    # Replaces the NVTX range markers the engine imports from torch.cuda.nvtx (profiling only;
+    # a CPU build of torch raises "NVTX functions not installed").
+    return lambda *args, **kwargs: None
+
+
+def _cpu_tensor_check(_original):
+    # Replaces communication_utils._is_cuda (asserts ``tensor.is_cuda`` before the pipeline
+    # broadcasts and p2p of inference): the tensor must exist; a CPU tensor is accepted.
+    def _is_cuda(tensor):
+        assert tensor is not None
+
+    return _is_cuda
+
+
+ENGINE = "megatron.core.inference.engines.dynamic_engine"
+
+WORKAROUNDS: Tuple[Workaround, ...] = (
+    Workaround(ATTENTION, "flash_attn_varlen_func",
+               "flash-attn paged varlen attention (dynamic prefill / mixed steps)", _varlen),
+    Workaround(ATTENTION, "flash_attn_with_kvcache",
+               "flash-attn paged KV-cache attention (dynamic decode steps)", _with_kvcache),
+    Workaround(ATTENTION, "is_fa_min_version",
+               "the flash-attn >= 2.7.3 assertion of dynamic batching", _fa_version),
+    Workaround(DYNAMIC_CONTEXT, "triton_append_key_value_cache",
+               "the Triton KV-cache append kernel", _no_triton_append, optional=True),
+    Workaround(ENGINE, "range_push", "NVTX profiling range (engine step)", _no_nvtx),
+    Workaround(ENGINE, "range_pop", "NVTX profiling range (engine step)", _no_nvtx),
+    Workaround("megatron.core.inference.communication_utils", "_is_cuda",
+               "the is_cuda assertion of the inference pipeline broadcasts", _cpu_tensor_check),
+    Workaround("torch.cuda", "Event", "CUDA events timing the engine's steps", _cpu_event),
+    Workaround("torch.cuda", "memory_stats", "CUDA memory statistics (engine logging)",
+               _empty_memory_stats),
+    Workaround("torch.cuda", "reset_peak_memory_stats", "CUDA peak-memory reset (engine logging)",
+               _empty_memory_stats),
+)
+
+
+def _drop_pin_memory_mode():
+    from torch.overrides import TorchFunctionMode
+
+    class DropPinMemory(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.pin_memory:
+                return args[0]
+            if kwargs.get("pin_memory"):
+                kwargs = dict(kwargs, pin_memory=False)
+            return func(*args, **kwargs)
+
+    return DropPinMemory()
+
+
+@contextlib.contextmanager
+def dynamic_inference_workarounds() -> Iterator[None]:
+    """Lets the dynamic inference engine (context, controller, engine) run on CPU in this block;
+    every replaced attribute is restored on exit. Not re-entrant (one engine per block)."""
+    replacements = Replacements()
+    with cpu_workarounds():
+        try:
+            for workaround in WORKAROUNDS:
+                target = _resolve(workaround)
+                if target is not None:
+                    replacements.replace(*target, workaround.make)
+            with _drop_pin_memory_mode():
+                yield
+        finally:
+            replacements.restore()
