@@ -108,16 +108,29 @@ def main(argv: Optional[List[str]] = None) -> None:
         # threads, so torchrun never sees the rank fail and the whole job hangs (seen with
         # --save --ckpt-format torch_dist and psutil missing); exit at once, torchrun stops the rest.
         traceback.print_exc()
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
+        _leave(1)
     # The script finished: leave without interpreter finalisation. Destroying torch's and gloo's
     # C++ objects at exit can meet a still-joinable thread and std::terminate the rank ("terminate
     # called without an active exception", SIGABRT, exit -6) after "[after training is done]" --
     # intermittently, on Megatron-LM main at TP=2 in CI. Every result is written by now.
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Exit now, but first end this rank's multiprocessing children, which interpreter exit would
+    have ended: ``--ckpt-format torch_dist`` starts a ``Manager`` server process per rank
+    (``filesystem_async._get_write_results_queue``) that would outlive the rank, hold torchrun's
+    output pipe open and hang whoever reads the job's log."""
+    import multiprocessing
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=10)
+    os._exit(code)
 
 
 if __name__ == "__main__":
