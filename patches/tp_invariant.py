@@ -17,7 +17,10 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   (``block_tree.column_blocks``). The activation is elementwise and position-independent.
 * ``get_grad_norm_fp32`` (inside an optimizer's ``get_grad_norm``/``clip_grad_norm``): the sum of
   squared gradients per parameter goes through the fixed tree along its partition dim, parameters
-  added in their fixed order.
+  added in their fixed order; with pipeline parallelism the stages' totals are added in stage order.
+* ``TransformerBlock.__init__`` and ``DistributedOptimizer.__init__``: what the mode cannot cover
+  is refused when the model or optimizer is built, before any step (the forward-time checks stay,
+  for a config changed after construction).
 
 Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
 all-gathers, layer norms and replicated parameters' gradients (same full tensors on every rank),
@@ -28,7 +31,7 @@ groups as the TP size, untied output layer, no biases) are covered.
 
 Refused in this mode (with the reason): sequence parallelism, Transformer Engine modules, fused
 bias-activation, fewer KV groups than the TP size, gradient-accumulation fusion, deferred embedding wgrad,
-expert-parallel layers, the distributed optimizer, pipeline-parallel grad norms, and
+expert layers, the distributed optimizer, grad norms over data-parallel or expert ranks, and
 ``tp_reduce_dtype`` other than native (this mode already sums in FP32 through its own tree).
 """
 
@@ -164,6 +167,55 @@ def _mlp_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
 
+# -- refusals at model and optimizer construction -------------------------------------------------
+
+#: (config field, is it refused for this value, Megatron-LM flag that sets it, why)
+_REFUSED_CONFIG = (
+    ("sequence_parallel", bool, "--sequence-parallel",
+     "its reduce-scatter is not yet under the fixed tree"),
+    ("gradient_accumulation_fusion", bool, "on by default; --no-gradient-accumulation-fusion",
+     "its fused wgrad GEMM accumulates by shape"),
+    ("bias_activation_fusion", bool, "on by default; --no-bias-gelu-fusion / --no-bias-swiglu-fusion",
+     "the fused kernels are not verified for this mode yet"),
+    ("use_te_activation_func", bool, "--use-te-activation-func",
+     "Transformer Engine kernels choose their blocking by shape"),
+    ("defer_embedding_wgrad_compute", bool, "--defer-embedding-wgrad-compute",
+     "the deferred wgrad runs outside the layer"),
+    ("num_moe_experts", bool, "--num-experts", "expert layers are not covered by this mode yet"),
+)
+
+
+def _check_config(config) -> None:
+    for field, refused, flag, why in _REFUSED_CONFIG:
+        value = getattr(config, field, None)
+        if refused(value):
+            _refuse(f"{field}={value} (Megatron-LM: {flag})", why)
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
+    if groups < tp:
+        _refuse(f"num_query_groups={groups} (--num-query-groups) below the TP size {tp}",
+                "the key/value gradients of one group are then summed across ranks outside the fixed tree")
+
+
+def _block_init(wrapped, instance, args, kwargs):
+    """Refuse, before any step runs, what the mode cannot make invariant: the config first, then
+    the layers the block built (Transformer Engine modules)."""
+    if not tpi.active():
+        return wrapped(*args, **kwargs)
+    _check_config(argument(args, kwargs, 0, "config"))
+    result = wrapped(*args, **kwargs)
+    for module in instance.modules():
+        _refuse_te(module)
+    return result
+
+
+def _distributed_optimizer_init(wrapped, instance, args, kwargs):
+    if tpi.active():
+        _refuse("the distributed optimizer (Megatron-LM: --use-distributed-optimizer)",
+                "its flat main-parameter shards have no partition dim for the invariant grad norm")
+    return wrapped(*args, **kwargs)
+
+
 # -- gradient norm -------------------------------------------------------------------------------
 
 def _norm_owner_scope(wrapped, instance, args, kwargs):
@@ -189,10 +241,7 @@ def _grad_norm_fp32(wrapped, instance, args, kwargs):
     if any(type(o).__name__ == "DistributedOptimizer" for o in _optimizers(owner)):
         _refuse("the distributed optimizer", "its flat main-parameter shards have no partition dim")
     tp_group = getattr(owner, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
-    stats_group = argument(args, kwargs, 2, "grad_stats_parallel_group", None)
-    if stats_group is not None and stats_group.size() != tpi.group_size(tp_group):
-        _refuse("a grad norm over pipeline or data-parallel ranks",
-                "only the tensor-parallel sum is made invariant")
+    stages = _pipeline_stages(argument(args, kwargs, 2, "grad_stats_parallel_group", None), tp_group)
     decoupled = getattr(owner.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
     grads, dims = [], []
     for param in owner.get_parameters():
@@ -204,7 +253,26 @@ def _grad_norm_fp32(wrapped, instance, args, kwargs):
     total = torch.zeros((), dtype=torch.float32)
     for value in tpi.squared_norms(grads, dims, tp_group).unbind(0):  # in parameter order
         total = total + value
+    if stages is not None:  # every TP rank of a stage holds the same total: add the stages in order
+        per_stage = [torch.empty_like(total) for _ in range(stages.size())]
+        torch.distributed.all_gather(per_stage, total, group=stages)
+        total = functools.reduce(torch.add, per_stage)
     return total.item() ** 0.5
+
+
+def _pipeline_stages(stats_group, tp_group):
+    """The pipeline group whose stage totals the norm adds (None: the norm spans TP only); refuses a
+    norm over any other ranks (data-parallel, expert), which this mode does not make invariant."""
+    tp = tpi.group_size(tp_group)
+    if stats_group is None or stats_group.size() == tp:
+        return None
+    from megatron.core import parallel_state
+
+    stages = parallel_state.get_pipeline_model_parallel_group()
+    if stats_group.size() != tp * stages.size():
+        _refuse(f"a grad norm over {stats_group.size()} ranks (TP {tp} x PP {stages.size()} expected)",
+                "only the tensor- and pipeline-parallel sums are made invariant")
+    return stages
 
 
 def _optimizers(owner):
@@ -236,6 +304,20 @@ PATCHES = (
         summary="refuses MLP configurations tp_invariant does not cover (TE, fused); marks a gated fc1 (SwiGLU)",
         hook=MLP,
         targets=(Target(MLP, "MLP.forward", _mlp_forward, kind="method", params=("self", "hidden_states")),),
+    ),
+    _invariant_patch(
+        name="tp_invariant.construction",
+        summary="refuses at model construction what tp_invariant does not cover (SP, fusions, TE, MoE, few KV groups)",
+        hook="megatron.core.transformer.transformer_block",
+        targets=(Target("megatron.core.transformer.transformer_block", "TransformerBlock.__init__",
+                        _block_init, kind="method", params=("self", "config")),),
+    ),
+    _invariant_patch(
+        name="tp_invariant.distributed_optimizer",
+        summary="refuses the distributed optimizer at its construction (its shards defeat the invariant grad norm)",
+        hook="megatron.core.optimizer.distrib_optimizer",
+        targets=(Target("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+                        _distributed_optimizer_init, kind="method", params=("self",)),),
     ),
     _invariant_patch(
         name="tp_invariant.grad_norm",

@@ -36,10 +36,10 @@ def _model(ctx, shape, **overrides):
     from megapatch.testing.tiny_gpt import llama_config
 
     if shape.get("llama"):
-        config = llama_config(tp=ctx.tp_size, **shape["config"], **overrides)
+        config = llama_config(tp=ctx.tp_size, **{**shape["config"], **overrides})
         return build_tiny_gpt(config, vocab_size=shape["vocab"], seq_len=shape["seq"], seed=1234,
                               position_embedding_type="rope")
-    config = tiny_gpt_config(tp=ctx.tp_size, **shape["config"], **overrides)
+    config = tiny_gpt_config(tp=ctx.tp_size, **{**shape["config"], **overrides})
     return build_tiny_gpt(config, vocab_size=shape["vocab"], seq_len=shape["seq"], seed=1234)
 
 
@@ -97,15 +97,27 @@ def _fp32_logits(ctx, shape):
 
 
 def _refusal(ctx, shape, **overrides):
+    """(when, message): refused at "construction" or at the first "forward", or (None, None)."""
     from megapatch.core.errors import UnsupportedConfigurationError
 
-    model = _model(ctx, shape, **overrides)
+    try:
+        model = _model(ctx, shape, **overrides)
+    except UnsupportedConfigurationError as exc:
+        return "construction", str(exc)
     batch = _batch(shape, 0)
     try:
         model(batch.tokens, batch.position_ids, batch.attention_mask)
     except UnsupportedConfigurationError as exc:
-        return str(exc)
-    return None
+        return "forward", str(exc)
+    return None, None
+
+
+#: what the mode refuses, built at TP 2: (model, config overrides, what the message must name)
+REFUSED = {
+    "sequence_parallel": ("tiny", dict(sequence_parallel=True), "--sequence-parallel"),
+    "bias_activation_fusion": ("tiny", dict(bias_activation_fusion=True), "--no-bias-gelu-fusion"),
+    "num_query_groups": ("llama", dict(num_query_groups=1), "--num-query-groups"),
+}
 
 
 PLANTED = (2.0 ** 24, -(2.0 ** 24), 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
@@ -194,7 +206,8 @@ def _job(ctx):
         out[("invariant-fp32-logits", tp)] = _fp32_logits(ctx, MODELS["odd"])
         megapatch.enable(tp_invariant=True, logits_dtype="native")
         if tp == 2:
-            out["sequence_parallel"] = _refusal(ctx, MODELS["tiny"], sequence_parallel=True)
+            for name, (model, overrides, _) in REFUSED.items():
+                out[("refused", name)] = _refusal(ctx, MODELS[model], **overrides)
         megapatch.disable()
         if tp in PRECONDITION_TPS:
             for mode in ("native", "fp32"):
@@ -294,11 +307,27 @@ def test_precondition_planted_sums_depend_on_tp_without_the_mode(runs, mode):
                for tp in PRECONDITION_TPS[1:] for key in ("row", "dgrad"))
 
 
-def test_sequence_parallelism_is_refused_with_the_reason(runs):
-    message = runs["sequence_parallel"]
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_the_mode_cannot_cover_is_refused_at_model_construction(runs, name):
+    when, message = runs[("refused", name)]
+    assert when == "construction", (when, message)  # before any step could run
+    flag = REFUSED[name][2]
+    assert message and name in message and flag in message, message
     # the job switched the mode on with enable(): the message says so, not a variable
-    assert message and "sequence_parallel" in message and "enable(tp_invariant=True)" in message
-    assert "MEGAPATCH_TP_INVARIANT" not in message
+    assert "enable(tp_invariant=True)" in message and "MEGAPATCH_TP_INVARIANT" not in message
+
+
+def test_the_distributed_optimizer_is_refused_before_it_is_built():
+    import megapatch
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    megapatch.enable(tp_invariant=True)
+    try:
+        with pytest.raises(UnsupportedConfigurationError, match="--use-distributed-optimizer"):
+            DistributedOptimizer(*[None] * 10)  # never reaches upstream
+    finally:
+        megapatch.disable()
 
 
 # -- in-process checks (no ranks) ------------------------------------------------------------------
@@ -376,11 +405,15 @@ def test_combining_with_fp32_reductions_is_refused():
         with pytest.raises(OptionError, match=r"cannot be combined with tp_reduce_dtype='fp32' \(from "
                                               r"MEGAPATCH_TP_REDUCE_DTYPE=fp32 in the environment"):
             options_resolve({"tp_invariant": True}, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
+        # a boolean is named as the user spelled the variable, not as Python prints it
+        with pytest.raises(OptionError, match=r"tp_invariant=True \(from MEGAPATCH_TP_INVARIANT=1 in the environment"):
+            options_resolve({"tp_reduce_dtype": "fp32"}, {"MEGAPATCH_TP_INVARIANT": "1"})
     finally:
         megapatch.disable()
 
 
-@pytest.mark.parametrize("skipped", ["tp_invariant.tensor_parallel", "tp_invariant.mlp", "tp_invariant.grad_norm"])
+@pytest.mark.parametrize("skipped", ["tp_invariant.tensor_parallel", "tp_invariant.mlp", "tp_invariant.grad_norm",
+                                     "tp_invariant.construction", "tp_invariant.distributed_optimizer"])
 def test_opting_out_of_a_patch_the_guarantee_needs_is_refused(skipped):
     """MEGAPATCH_SKIP_PATCHES=tp_invariant.tensor_parallel once gave status OK and a run that was
     not invariant: now enable() and the doctor's resolution refuse it."""

@@ -291,7 +291,8 @@ def origin(name: str, value: Any, source: str) -> str:
     if source == "enable()":
         return f"enable({name}={value!r}); pass another {name} to enable() to change it"
     if source.startswith("env "):
-        return f"{option.env}={option.text(value)} in the environment; unset {option.env} to change it"
+        text = ("1" if value else "0") if option.kind == "boolean" else option.text(value)
+        return f"{option.env}={text} in the environment; unset {option.env} to change it"
     return f"the default {name}={value!r}"
 
 
