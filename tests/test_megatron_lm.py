@@ -155,13 +155,17 @@ def _grad_norms(run):
     return re.findall(r"grad norm: ([0-9.eE+-]+)", run.log)
 
 
+def _tp_invariant_revision(checkout):
+    if checkout[0] != "core_v0.16.1":  # the revisions tp_invariant declares (Patch.supports)
+        pytest.skip(f"tp_invariant is tested on megatron-core 0.16 only, not {checkout[0]}")
+
+
 @pytest.mark.slow
 def test_tp_invariant_llama_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2(checkout):
     """tp_invariant through Megatron-LM's own script with the Llama flags: TP=1 and TP=2 (same
     padded vocabulary, same initial model) print identical losses and clipped grad norms at every
     iteration; native reductions do not (the comparison can fail)."""
-    if checkout[0] != "core_v0.16.1":  # the revisions tp_invariant declares (Patch.supports)
-        pytest.skip(f"tp_invariant is tested on megatron-core 0.16 only, not {checkout[0]}")
+    _tp_invariant_revision(checkout)
     printed = {}
     for mode, env in (("invariant", {"MEGAPATCH_TP_INVARIANT": "1"}), ("native", {})):
         for tp in (1, 2):
@@ -172,6 +176,64 @@ def test_tp_invariant_llama_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2
             assert len(printed[(mode, tp)][1]) == ITERS, run.tail()
     assert printed[("invariant", 1)] == printed[("invariant", 2)]
     assert printed[("native", 1)] != printed[("native", 2)]
+
+
+@pytest.mark.slow
+def test_tp_invariant_resume_at_another_tp_size_is_bit_identical(checkout, tmp_path_factory):
+    """The seed issue's scenario: train at TP=2, save a torch_dist checkpoint, resume at TP=4 and
+    TP=1 (GELU, LayerNorm, optimizer state resharded by Megatron's loader). Under the mode every
+    per-token loss and every tensor of the final checkpoint (parameters, FP32 main parameters, Adam
+    moments) equals the TP=2 resume's and the uninterrupted run's; without it, TP 4 drifts."""
+    from megapatch.testing import tp_resume
+
+    _tp_invariant_revision(checkout)
+    work = tmp_path_factory.mktemp("tp-resume")
+    runs = tp_resume.experiment(checkout[1], work / "invariant", {"MEGAPATCH_TP_INVARIANT": "1"},
+                                probe=PROBE, resume_tps=(2, 4, 1), label="invariant", timeout=TIMEOUT)
+    same, full = runs["resume2"], runs["full"]
+    reference = same.tensors()
+    assert len(same.loss_hashes) == 3 * 2  # iterations 4-6, two micro-batches each
+    assert same.loss_hashes == full.loss_hashes[-len(same.loss_hashes):]
+    assert tp_resume.differences(full.tensors(), reference) == {}
+    for tp in (4, 1):
+        run = runs[f"resume{tp}"]
+        assert run.loss_hashes == same.loss_hashes, tp
+        assert (run.losses, run.grad_norms) == (same.losses, same.grad_norms), tp
+        assert tp_resume.differences(run.tensors(), reference) == {}, tp
+    native = tp_resume.experiment(checkout[1], work / "native", {}, probe=PROBE, resume_tps=(2, 4),
+                                  label="native", start=work / "invariant" / "invariant-full", timeout=TIMEOUT)
+    assert native["resume4"].loss_hashes != native["resume2"].loss_hashes
+    assert tp_resume.differences(native["resume4"].tensors(), native["resume2"].tensors())
+
+
+@pytest.mark.slow
+def test_tp_invariant_grad_norms_over_pipeline_stages_are_tp_independent(checkout):
+    """TP x PP: PP=2 at TP=1 (world 2) and TP=2 (world 4) print the same losses and grad norms
+    (the norm adds the stages' invariant totals in stage order); native reductions do not."""
+    _tp_invariant_revision(checkout)
+    printed = {}
+    for mode, env in (("invariant", {"MEGAPATCH_TP_INVARIANT": "1"}), ("native", {})):
+        for tp in (1, 2):
+            run, _ = _run(checkout, f"pp2-tp{tp}-{mode}", mlm.tiny_gpt_flags(tp=tp, pp=2, **TP_FLAGS),
+                          nproc=2 * tp, megapatch_env=env)
+            printed[(mode, tp)] = (_trained(run, ITERS), _grad_norms(run))
+            assert len(printed[(mode, tp)][1]) == ITERS, run.tail()
+    assert printed[("invariant", 1)] == printed[("invariant", 2)]
+    assert printed[("native", 1)] != printed[("native", 2)]
+
+
+@pytest.mark.slow
+def test_tp_invariant_refuses_the_distributed_optimizer_before_the_first_step(checkout):
+    """Refused once per rank when the optimizer is built, naming the flag and how the mode was
+    switched on; no iteration runs (it once refused at the first forward, three times per rank)."""
+    _tp_invariant_revision(checkout)
+    run, _ = _run(checkout, "tp2-invariant-distopt",
+                  mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=("--use-distributed-optimizer",)),
+                  nproc=2, megapatch_env={"MEGAPATCH_TP_INVARIANT": "1"})
+    assert run.returncode != 0 and not run.losses, run.tail()
+    refusal = "megapatch tp_invariant=True does not support the distributed optimizer (Megatron-LM: --use-distributed-optimizer)"
+    assert 1 <= run.log.count(refusal) <= 2, run.tail()  # once per rank
+    assert "MEGAPATCH_TP_INVARIANT=1 in the environment" in run.log
 
 
 @pytest.mark.slow
