@@ -28,6 +28,9 @@ MODELS = {
     # output layer, no biases
     "llama": dict(config=dict(hidden_size=128, num_attention_heads=16, num_query_groups=8,
                               ffn_hidden_size=192), vocab=128, seq=16, llama=True),
+    # Qwen-shaped: the Llama layers plus a bias on the QKV projection only (add_qkv_bias)
+    "qwen": dict(config=dict(hidden_size=64, num_attention_heads=8, num_query_groups=8,
+                             ffn_hidden_size=128, add_qkv_bias=True), vocab=128, seq=16, llama=True),
 }
 
 
