@@ -471,3 +471,21 @@ def test_fp32_logits_compose_with_the_mode(runs, tp):
     assert base_dtype == dtype == "torch.float32"
     assert not torch.equal(base, base.to(torch.bfloat16).float())
     assert torch.equal(here, base)
+
+
+def test_block_gemm_operands_follow_the_device():
+    """CPU: fresh FP32 copies (products exact, FP32 accumulation). Where a BF16-in, FP32-out GEMM
+    exists (CUDA; its schema is checked here on meta tensors, which need no GPU) the operands stay
+    BF16 and one GEMM returns FP32 -- the GPU path, run by tests/gpu when a GPU is there."""
+    from megapatch.numerics import block_tree
+
+    weight = torch.randn(8, 6).bfloat16()
+    a = block_tree.operand(weight[2:6])
+    assert a.dtype == torch.float32 and a.is_contiguous() and a.data_ptr() != weight.data_ptr()
+    assert torch.equal(a, weight[2:6].float())
+    x = torch.randn(3, 6).bfloat16()
+    assert torch.equal(block_tree.product(block_tree.operand(x), a.t()), x.float() @ weight[2:6].float().t())
+    meta = block_tree.operand(weight.to("meta")[2:6])
+    assert meta.dtype == torch.bfloat16 and meta.is_contiguous()
+    out = block_tree.product(x.to("meta"), meta.t())
+    assert out.dtype == torch.float32 and out.shape == (3, 4)

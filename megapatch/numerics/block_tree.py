@@ -73,6 +73,27 @@ def f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
+# BF16/FP16 operands with an FP32 result in one GEMM (aten::mm.dtype): CUDA kernels only in torch
+# 2.13, so CPU GEMMs run on FP32 copies instead (exact products, FP32 accumulation either way).
+_HALF_GEMM = hasattr(torch.ops.aten.mm, "dtype")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def operand(t: torch.Tensor) -> torch.Tensor:
+    """A block GEMM operand: a fresh contiguous copy (layout and alignment independent of the TP
+    size), kept in BF16/FP16 where a half-precision-in, FP32-out GEMM exists (CUDA), else FP32."""
+    if _HALF_GEMM and t.dtype in _HALF and t.device.type in ("cuda", "meta"):
+        return t.clone(memory_format=torch.contiguous_format)
+    return f32(t)
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two ``operand``s (or views of them), FP32 result and accumulation."""
+    if a.dtype == b.dtype and a.dtype in _HALF:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Pairwise sum of a power-of-two number of tensors: adjacent pairs, level by level."""
     parts = list(parts)
@@ -159,10 +180,10 @@ class ColumnParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
         ctx.halves = halves
-        x2 = f32(x.reshape(-1, x.shape[-1]))
+        x2 = operand(x.reshape(-1, x.shape[-1]))
         outs = []
         for sl in column_blocks(weight.shape[0], nb, halves)[0]:
-            out = x2 @ f32(weight[sl]).t()
+            out = product(x2, operand(weight[sl]).t())
             if bias is not None:
                 out = out + f32(bias[sl])
             outs.append(out.view(*x.shape[:-1], out.shape[-1]))
@@ -171,18 +192,18 @@ class ColumnParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        x2 = f32(x.reshape(-1, x.shape[-1]))
+        x2 = operand(x.reshape(-1, x.shape[-1]))
         g2 = grad.reshape(-1, grad.shape[-1])
         partials, wgrads, bgrads = [], [], []
         layout, tree = column_blocks(weight.shape[0], ctx.nb, ctx.halves)
         if ctx.needs_input_grad[0]:
-            partials = [f32(g2[:, sl]) @ f32(weight[sl]) for sl in tree]
+            partials = [product(operand(g2[:, sl]), operand(weight[sl])) for sl in tree]
         for sl in layout:
-            gb = f32(g2[:, sl])
+            gb = operand(g2[:, sl])
             if ctx.needs_input_grad[1]:
-                wgrads.append(gb.t() @ x2)
+                wgrads.append(product(gb.t(), x2))
             if ctx.has_bias:
-                bgrads.append(gb.sum(dim=0))
+                bgrads.append(gb.sum(dim=0, dtype=torch.float32))
         dgrad = wgrad = bgrad = None
         if partials:
             group = ctx.group if ctx.reduce_dgrad else None
@@ -206,7 +227,7 @@ class RowParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.nb = nb
         x2 = x.reshape(-1, x.shape[-1])
-        partials = [(f32(x2[:, sl]) @ f32(weight[:, sl]).t()).view(*x.shape[:-1], weight.shape[0])
+        partials = [product(operand(x2[:, sl]), operand(weight[:, sl]).t()).view(*x.shape[:-1], weight.shape[0])
                     for sl in _slices(weight.shape[1], nb)]
         return _owned(invariant_sum(partials, group, x.dtype))
 
@@ -214,13 +235,13 @@ class RowParallel(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        g2 = f32(grad.reshape(-1, grad.shape[-1]))
+        g2 = operand(grad.reshape(-1, grad.shape[-1]))
         dgrads, wgrads = [], []
         for sl in _slices(weight.shape[1], ctx.nb):
             if ctx.needs_input_grad[0]:
-                dgrads.append(g2 @ f32(weight[:, sl]))
+                dgrads.append(product(g2, operand(weight[:, sl])))
             if ctx.needs_input_grad[1]:
-                wgrads.append(g2.t() @ f32(x2[:, sl]))
+                wgrads.append(product(g2.t(), operand(x2[:, sl])))
         dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
         wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype) if wgrads else None
         return dgrad, wgrad, None, None

@@ -46,6 +46,15 @@ def test_block_gemm_bits_do_not_depend_on_the_surrounding_tensor():
     kblock = slice(64, 128)  # one of 8 blocks of K
     assert torch.equal(f32(x[:, kblock]) @ f32(w[:, kblock]).t(),
                        f32(x[:, :256][:, kblock]) @ f32(w[:, :256][:, kblock]).t())
+    # the mode's CUDA path: BF16 operands, one FP32-output GEMM per block (operand / product)
+    from megapatch.numerics.block_tree import operand, product
+
+    assert operand(w[block]).dtype == torch.bfloat16
+    full = product(operand(x), operand(w[block]).t())
+    assert full.dtype == torch.float32
+    assert torch.equal(full, product(operand(x), operand(w[:512][block]).t()))
+    assert torch.equal(product(operand(x[:, kblock]), operand(w[:, kblock]).t()),
+                       product(operand(x[:, :256][:, kblock]), operand(w[:, :256][:, kblock]).t()))
 
 
 def _run(tp, mode):
