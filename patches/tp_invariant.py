@@ -66,9 +66,12 @@ def _refuse(what: str, why: str):
         f"{state.origin('tp_invariant')}.")
 
 
+_TE_WHY = "Transformer Engine GEMMs choose their kernels by shape"
+
+
 def _refuse_te(layer) -> None:
     if "transformer_engine" in type(layer).__module__:
-        _refuse(f"{type(layer).__qualname__}", "Transformer Engine GEMMs choose their kernels by shape")
+        _refuse(f"{type(layer).__qualname__}", _TE_WHY)
 
 
 # -- linear layers -------------------------------------------------------------------------------
@@ -185,16 +188,39 @@ _REFUSED_CONFIG = (
 )
 
 
-def _check_config(config) -> None:
+def _config_refusals(config):
+    """``[(what, why), ...]``: every config field the mode cannot cover."""
+    found = []
     for field, refused, flag, why in _REFUSED_CONFIG:
         value = getattr(config, field, None)
         if refused(value):
-            _refuse(f"{field}={value} (Megatron-LM: {flag})", why)
+            found.append((f"{field}={value} (Megatron-LM: {flag})", why))
     tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     if groups < tp:
-        _refuse(f"num_query_groups={groups} (--num-query-groups) below the TP size {tp}",
-                "the key/value gradients of one group are then summed across ranks outside the fixed tree")
+        found.append((f"num_query_groups={groups} (--num-query-groups) below the TP size {tp}",
+                      "the key/value gradients of one group are then summed across ranks outside the fixed tree"))
+    return found
+
+
+def _check_config(config) -> None:
+    refusals = _config_refusals(config)
+    if refusals:
+        _refuse(*refusals[0])
+
+
+def _preflight_model(config):
+    refusals = _config_refusals(config)
+    if getattr(config, "transformer_impl", "local") != "local":
+        refusals.append((f"transformer_impl={config.transformer_impl!r} (Megatron-LM: --transformer-impl, "
+                         f"default transformer_engine; use --transformer-impl local)", _TE_WHY))
+    return "; ".join(f"does not support {what}: {why}" for what, why in refusals) or None
+
+
+def _preflight_optimizer(config):
+    if getattr(config, "use_distributed_optimizer", False):
+        return f"does not support {_DISTRIBUTED_OPTIMIZER[0]}: {_DISTRIBUTED_OPTIMIZER[1]}"
+    return None
 
 
 def _block_init(wrapped, instance, args, kwargs):
@@ -209,10 +235,13 @@ def _block_init(wrapped, instance, args, kwargs):
     return result
 
 
+_DISTRIBUTED_OPTIMIZER = ("the distributed optimizer (Megatron-LM: --use-distributed-optimizer)",
+                          "its flat main-parameter shards have no partition dim for the invariant grad norm")
+
+
 def _distributed_optimizer_init(wrapped, instance, args, kwargs):
     if tpi.active():
-        _refuse("the distributed optimizer (Megatron-LM: --use-distributed-optimizer)",
-                "its flat main-parameter shards have no partition dim for the invariant grad norm")
+        _refuse(*_DISTRIBUTED_OPTIMIZER)
     return wrapped(*args, **kwargs)
 
 
@@ -311,6 +340,7 @@ PATCHES = (
         hook="megatron.core.transformer.transformer_block",
         targets=(Target("megatron.core.transformer.transformer_block", "TransformerBlock.__init__",
                         _block_init, kind="method", params=("self", "config")),),
+        preflight=_preflight_model,
     ),
     _invariant_patch(
         name="tp_invariant.distributed_optimizer",
@@ -318,6 +348,7 @@ PATCHES = (
         hook="megatron.core.optimizer.distrib_optimizer",
         targets=(Target("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
                         _distributed_optimizer_init, kind="method", params=("self",)),),
+        preflight=_preflight_optimizer,
     ),
     _invariant_patch(
         name="tp_invariant.grad_norm",

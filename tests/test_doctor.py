@@ -183,3 +183,55 @@ def test_status_and_doctor_do_not_print_the_activation_line():
         result = _cli(command, env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
         assert result.returncode == 0, result.stdout + result.stderr
         assert "megapatch enabled" not in result.stdout + result.stderr, command
+
+
+# -- megapatch doctor -- <Megatron-LM flags> ---------------------------------------------------------
+
+LOCAL = ["--tensor-model-parallel-size", "2", "--num-attention-heads", "8", "--transformer-impl", "local",
+         "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion"]
+
+
+def test_doctor_with_flags_the_mode_covers_says_so():
+    result = _cli(["doctor", "--", *LOCAL], env={"MEGAPATCH_TP_INVARIANT": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no requested patch refuses them" in result.stdout
+    assert "Megatron-LM flags: " + " ".join(LOCAL) in result.stdout
+
+
+def test_doctor_with_flags_names_every_refusal_its_flag_and_the_source():
+    flags = LOCAL[:6] + ["--sequence-parallel", "--use-distributed-optimizer",
+                         "--group-query-attention", "--num-query-groups", "1"]  # Megatron-LM's fusions on by default
+    result = _cli(["doctor", "--", *flags], env={"MEGAPATCH_TP_INVARIANT": "1"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout
+    for expected in ("--sequence-parallel", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
+                     "--num-query-groups", "--use-distributed-optimizer", "from env MEGAPATCH_TP_INVARIANT"):
+        assert expected in out, expected
+    assert "would be refused before its first step by tp_invariant.construction, " \
+           "tp_invariant.distributed_optimizer" in out
+    # the same flags without the mode: nothing is requested, nothing refuses
+    assert _cli(["doctor", "--", *flags]).returncode == 0
+    # and the JSON document carries the same verdict
+    data = json.loads(_cli(["status", "--json", "--", *flags], env={"MEGAPATCH_TP_INVARIANT": "1"}).stdout)
+    assert sorted(data["flags"]["refusals"]) == ["tp_invariant.construction", "tp_invariant.distributed_optimizer"]
+
+
+def test_doctor_refuses_transformer_engine_layers_by_default_and_arguments_without_the_separator():
+    result = _cli(["doctor", "--", "--num-attention-heads", "8", "--no-gradient-accumulation-fusion",
+                   "--no-bias-gelu-fusion"], env={"MEGAPATCH_TP_INVARIANT": "1"})
+    assert result.returncode == 1 and "transformer_impl='transformer_engine'" in result.stdout, result.stdout
+    usage = _cli(["doctor", "--sequence-parallel"])
+    assert usage.returncode == 2 and "unrecognized arguments: --sequence-parallel" in usage.stderr, usage.stderr
+    stray = _cli(["doctor", "pretrain_gpt.py"])
+    assert stray.returncode == 2 and "after --" in stray.stderr, stray.stderr
+
+
+def test_flags_translate_to_the_config_fields_megatron_lm_builds():
+    from megapatch.commands.megatron_lm_flags import config_from_flags
+
+    config = config_from_flags(["--swiglu", "--no-bias-gelu-fusion", "--num-attention-heads=16",
+                                "--group-query-attention", "--num-query-groups", "4", "--num-experts", "8"])
+    assert config.bias_activation_fusion  # --swiglu reads --no-bias-swiglu-fusion, not the GELU flag
+    assert (config.num_attention_heads, config.num_query_groups, config.num_moe_experts) == (16, 4, 8)
+    assert config_from_flags(["--num-query-groups", "4"]).num_query_groups is None  # needs --group-query-attention
+    assert not config_from_flags(["--swiglu", "--no-bias-swiglu-fusion"]).bias_activation_fusion

@@ -191,6 +191,8 @@ def test_tp_invariant_llama_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2
             run, _ = _run(checkout, f"llama-tp{tp}-{mode}", flags, nproc=tp, megapatch_env=env)
             printed[(mode, tp)] = (_trained(run, ITERS), _grad_norms(run))
             assert len(printed[(mode, tp)][1]) == ITERS, run.tail()
+    doctor = _doctor(flags, {"MEGAPATCH_TP_INVARIANT": "1"})  # flags the mode ran with: accepted
+    assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
     assert printed[("invariant", 1)] == printed[("invariant", 2)]
     assert printed[("native", 1)] != printed[("native", 2)]
 
@@ -251,9 +253,64 @@ def test_tp_invariant_refuses_the_distributed_optimizer_before_the_first_step(ch
                   mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=("--use-distributed-optimizer",)),
                   nproc=2, megapatch_env={"MEGAPATCH_TP_INVARIANT": "1"})
     assert run.returncode != 0 and not run.losses, run.tail()
+    # megapatch doctor -- <the same flags> said so before the job was started
+    doctor = _doctor(run.command[run.command.index("pretrain_gpt.py") + 1:], {"MEGAPATCH_TP_INVARIANT": "1"})
+    assert doctor.returncode == 1 and "REFUSED by tp_invariant.distributed_optimizer" in doctor.stdout, doctor.stdout
     refusal = "megapatch tp_invariant=True does not support the distributed optimizer (Megatron-LM: --use-distributed-optimizer)"
     assert 1 <= run.log.count(refusal) <= 2, run.tail()  # once per rank
     assert "MEGAPATCH_TP_INVARIANT=1 in the environment" in run.log
+
+
+# Megatron-LM's argparse names -> what megapatch.commands.megatron_lm_flags calls them
+_PARSED = """
+import json, sys
+sys.path.insert(0, ".")
+from megatron.training.arguments import parse_args
+out = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["pretrain_gpt.py", *argv]
+    a = parse_args(ignore_unknown_args=True)
+    swiglu = a.swiglu
+    out.append(dict(
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+        num_query_groups=a.num_query_groups if a.group_query_attention else None,
+        gated_linear_unit=swiglu, sequence_parallel=a.sequence_parallel,
+        gradient_accumulation_fusion=a.gradient_accumulation_fusion,
+        bias_activation_fusion=a.bias_swiglu_fusion if swiglu else a.bias_gelu_fusion,
+        use_te_activation_func=a.use_te_activation_func,
+        defer_embedding_wgrad_compute=a.defer_embedding_wgrad_compute,
+        num_moe_experts=a.num_experts, transformer_impl=a.transformer_impl,
+        use_distributed_optimizer=a.use_distributed_optimizer))
+print("PARSED" + json.dumps(out))
+"""
+
+
+def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
+    """megapatch doctor -- <flags> derives the model a job builds from its flags: every field it
+    reads, for several command lines, equals what Megatron-LM's own parser makes of them
+    (defaults included: gradient-accumulation and bias-activation fusion on, TE layers)."""
+    from megapatch.commands.megatron_lm_flags import config_from_flags
+
+    lines = [["--num-attention-heads", "8"],
+             mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=LLAMA_FLAGS + ("--no-bias-swiglu-fusion",)),
+             ["--num-attention-heads", "8", "--sequence-parallel", "--use-distributed-optimizer",
+              "--no-bias-gelu-fusion", "--num-experts", "4", "--use-te-activation-func",
+              "--defer-embedding-wgrad-compute", "--tensor-model-parallel-size=4"]]
+    parsed = subprocess.run([sys.executable, "-c", _PARSED, json.dumps(lines)], cwd=str(checkout[1]),
+                            capture_output=True, text=True, timeout=300)
+    assert parsed.returncode == 0, parsed.stderr[-3000:]
+    expected = json.loads(parsed.stdout.split("PARSED", 1)[1])
+    for argv, fields in zip(lines, expected):
+        mine = vars(config_from_flags(argv))
+        assert {k: mine[k] for k in fields} == fields, argv
+
+
+def _doctor(flags, env):
+    from megapatch.testing.megatron_lm_runs import launch_env
+
+    return subprocess.run([sys.executable, "-m", "megapatch", "doctor", "--", *flags], capture_output=True,
+                          text=True, timeout=300, env=launch_env(env))
 
 
 @pytest.mark.slow

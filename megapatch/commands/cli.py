@@ -29,10 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "environment enables, whether activation works (exit 1 if not)",
                             epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
+                        help="a Megatron-LM command line (after --): what the requested options "
+                             "would refuse in the job it starts, before it is submitted")
     status = sub.add_parser("status", help="what the current environment would do: settings and their "
                             "sources, per-patch requested / opted-out / compatible / would install",
                             epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     status.add_argument("--json", action="store_true", help="print the report as JSON (same document as doctor --json)")
+    status.add_argument("flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
+                        help="a Megatron-LM command line (after --), as for doctor")
     lock = sub.add_parser("lock", help="compare the installed upstream with the patch-surface lock")
     lock.add_argument("--update", action="store_true", help="record the installed upstream (after review)")
     lock.add_argument("--lock-dir", default=None, help="where the lock lives (default: inside the package)")
@@ -47,7 +52,10 @@ def main(argv=None) -> int:
     if args.command in ("doctor", "status"):
         from megapatch.commands.doctor import render_doctor, render_status, survey
 
-        result = survey()
+        flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+        if flags and not args.flags[:1] == ["--"]:
+            parser.error(f"unexpected arguments {' '.join(flags)!r}: put a Megatron-LM command line after --")
+        result = survey(flags if args.flags else None)
         if args.json:
             print(json.dumps(result, indent=1, default=str))
         else:

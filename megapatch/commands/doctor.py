@@ -158,13 +158,17 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
     return row
 
 
-def survey() -> dict:
-    """Everything doctor and status report, as plain data (the ``--json`` document)."""
+def survey(flags: Optional[List[str]] = None) -> dict:
+    """Everything doctor and status report, as plain data (the ``--json`` document). ``flags``: a
+    Megatron-LM command line; each requested patch's preflight check then says whether the job it
+    starts would be refused (``result["flags"]``)."""
     result: Dict[str, Any] = {"megapatch": __version__, "versions": {},
                               "environment": {"variables": {}, "unknown": {}, "problems": []},
                               "settings": None, "sources": {}, "error": None, "disabled": False,
                               "activation": {"state": "unknown", "detail": ""},
-                              "upstream_warnings": 0, "patches": [], "problems": []}
+                              "upstream_warnings": 0, "patches": [], "problems": [],
+                              "flags": None if flags is None else {"argv": list(flags), "config": {},
+                                                                   "refusals": {}}}
     _, error = _guard("doctor", lambda: _survey(result))
     if error:  # a defect of doctor itself: still report what was gathered
         result["problems"].append(error)
@@ -211,13 +215,39 @@ def _survey(result: dict) -> None:
                        "would_install": False, "why": error, "untested": []}
             result["patches"].append(row)
     result["upstream_warnings"] += len(caught)
+    if result["flags"] is not None:
+        _preflight(result, {getattr(p, "name", None): p for p in patches})
     code, message = _verdict(result, strict)
     result["result"] = {"code": code, "message": message}
+
+
+def _preflight(result: dict, patches: dict) -> None:
+    """What each requested patch's construction-time checks would say of the flags' model."""
+    from megapatch.commands.megatron_lm_flags import config_from_flags
+
+    flags = result["flags"]
+    config, error = _guard("reading the Megatron-LM flags", lambda: config_from_flags(flags["argv"]))
+    if error:
+        result["problems"].append(error)
+        return
+    flags["config"] = dict(vars(config))
+    for row in result["patches"]:
+        patch = patches.get(row["name"])
+        if patch is None or patch.preflight is None or not row["requested"] or row["opted_out"] or result["disabled"]:
+            continue
+        reason, error = _guard(f"{patch.name} preflight", lambda p=patch: p.preflight(config))
+        if reason or error:
+            origin = result["sources"].get(patch.option, "")
+            flags["refusals"][patch.name] = f"{patch.option}: {reason or error} ({patch.option} from {origin})"
 
 
 def _verdict(result: dict, strict: bool):
     if result["error"] is not None:
         return INVALID_ENVIRONMENT, "an invalid MEGAPATCH_* value (exit 2)"
+    refusals = (result["flags"] or {}).get("refusals")
+    if refusals:
+        return CANNOT_APPLY, (f"with these Megatron-LM flags the job would be refused before its first "
+                              f"step by {', '.join(refusals)} (exit 1)")
     failing = [r["name"] for r in result["patches"]
                if r["requested"] and not r["opted_out"] and not result["disabled"]
                and r["upstream"] in ("INCOMPATIBLE", "ERROR")]
@@ -294,6 +324,7 @@ def render_doctor(result: dict) -> str:
         rows.append((r["name"], requested, r["upstream"], detail))
     lines.append("")
     lines += _table(("patch", "requested", "upstream", "detail"), rows)
+    lines += _flags_lines(result)
     for problem in result["problems"]:
         lines.append(f"ERROR: {problem}")
     if result["upstream_warnings"]:
@@ -302,6 +333,20 @@ def render_doctor(result: dict) -> str:
     lines.append("")
     lines.append(f"result: {result['result']['message']}")
     return "\n".join(lines)
+
+
+def _flags_lines(result: dict) -> List[str]:
+    flags = result["flags"]
+    if flags is None:
+        return []
+    lines = ["", "Megatron-LM flags: " + (" ".join(flags["argv"]) or "(none)")]
+    if flags["config"]:
+        lines.append("  model and optimizer they build: " + ", ".join(f"{k}={v}" for k, v in flags["config"].items()))
+    for name, reason in flags["refusals"].items():
+        lines.append(f"  REFUSED by {name}: {reason}")
+    if flags["config"] and not flags["refusals"]:
+        lines.append("  no requested patch refuses them")
+    return lines
 
 
 def render_status(result: dict) -> str:
@@ -320,6 +365,7 @@ def render_status(result: dict) -> str:
     activation = result["activation"]
     if activation["state"] in ("failed", "not-run"):
         lines += ["", f"activation: {activation['state']}: {activation['detail']}"]
+    lines += _flags_lines(result)
     lines += ["", f"result: {result['result']['message']}"]
     return "\n".join(lines)
 

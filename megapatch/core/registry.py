@@ -56,6 +56,10 @@ class Patch:
     never refuses; the surface check does); ``megapatch.core.upstream_versions.supported_range`` reads it.
     ``guarantee``: the option's promise needs this patch (``tp_invariant``'s bits): opting out of
     it while the option asks for a change is refused.
+    ``preflight`` (optional): given the model a job will build -- an object with megatron-core
+    config field names as attributes (plus ``transformer_impl`` and ``use_distributed_optimizer``),
+    as ``megapatch doctor -- <Megatron-LM flags>`` derives it -- the reason this patch would refuse
+    it, or ``None``; the patch's own construction-time check must say the same.
     """
 
     name: str
@@ -70,6 +74,7 @@ class Patch:
     watches: Tuple[str, ...] = ()
     supports: Mapping[str, str] = dataclasses.field(default_factory=dict)
     guarantee: bool = False
+    preflight: Optional[Callable[[object], Optional[str]]] = None
 
 
 def discover() -> Tuple[Patch, ...]:
