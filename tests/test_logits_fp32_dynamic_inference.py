@@ -29,56 +29,10 @@ def _spy(controller, name, found):
     setattr(controller, name, spy)
 
 
-def build_engine(model, tp, pp, threshold=-1):
-    """A dynamic engine over ``model`` (no CUDA graphs), every logit materialised."""
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController)
-
-    config = model.config
-    context = DynamicInferenceContext(
-        params_dtype=config.params_dtype, num_layers=config.num_layers // pp,
-        kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups or config.num_attention_heads,
-        max_sequence_length=MAX_SEQ, buffer_size_gb=0.01, max_requests=8, max_tokens=256,
-        block_size_tokens=16, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        materialize_only_last_token_logits=False)
-    wrapper = GPTInferenceWrapper(model, InferenceWrapperConfig(
-        hidden_size=config.hidden_size, params_dtype=config.params_dtype,
-        inference_batch_times_seqlen_threshold=threshold, padded_vocab_size=model.vocab_size), context)
-    wrapper.model_is_pipeline_parallel = pp > 1  # as upstream's gpt_dynamic_inference.py sets it
-
-    class Tokenizer:  # the engine needs ids only
-        bos, eod = None, model.vocab_size - 1
-
-        def detokenize(self, tokens, **_):
-            return " ".join(map(str, tokens))
-
-    controller = TextGenerationController(wrapper, Tokenizer())
-    return DynamicInferenceEngine(controller, context, enable_cuda_graph=False, random_seed=1)
-
-
-def generate(engine, prompts, tokens, temperature=1.0, top_k=1):
-    """Requests added as token ids; returns (generated tokens, their log-probs) per prompt."""
-    from megatron.core.inference.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=temperature, top_k=top_k, return_log_probs=True,
-                            num_tokens_to_generate=tokens, termination_id=-1)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(i, list(prompt), params)
-    done = []
-    while engine.has_unfinished_requests():
-        done.extend(engine.step_modern()["finished_request_records"])
-    merged = [r.merge() for r in sorted(done, key=lambda r: r.request_id)]
-    return [(list(r.generated_tokens), list(r.generated_log_probs)) for r in merged]
-
-
 def _rollouts(ctx):
     import megapatch
     from megapatch.testing import build_tiny_gpt, gather_full_weights, tiny_gpt_config
-    from megapatch.testing.dynamic_inference_compat import dynamic_inference_workarounds
+    from megapatch.testing.dynamic_inference_compat import dynamic_engine, dynamic_inference_workarounds, generate
 
     found = {}
     with dynamic_inference_workarounds():
@@ -90,7 +44,7 @@ def _rollouts(ctx):
             if ctx.is_last_stage:
                 model.output_layer.register_forward_pre_hook(
                     lambda module, args: hidden.append(args[0].detach().clone()))
-            engine = build_engine(model, ctx.tp_size, ctx.pp_size)
+            engine = dynamic_engine(model, ctx.tp_size, ctx.pp_size, max_sequence_length=MAX_SEQ)
             seen = []
             for name in ("_dynamic_step_sample_logits", "_dynamic_step_calculate_log_probs"):
                 _spy(engine.controller, name, seen)
@@ -128,7 +82,8 @@ def _check(ranks, last):
         assert all(found[mode]["outputs"] == ranks[0][mode]["outputs"] for found in ranks)
     fp32 = ranks[0]["fp32"]
     assert "logits.fp32_inference" in fp32["status"] and "logits.fp32_lm_head" in fp32["status"]
-    assert all(len(tokens) == 5 for tokens, _ in fp32["outputs"])
+    assert all(len(tokens) == 5 and len(prompt_lp) == len(prompt) - 1
+               for (tokens, _, prompt_lp), prompt in zip(fp32["outputs"], PROMPTS))
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])

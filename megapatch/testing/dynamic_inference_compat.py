@@ -23,6 +23,7 @@ fallback runs instead), unified memory, symmetric-memory all-reduces, FlashInfer
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from typing import Iterator, Tuple
 
@@ -30,7 +31,8 @@ import torch
 
 from megapatch.testing.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
 
-__all__ = ["dynamic_inference_workarounds", "WORKAROUNDS", "paged_causal_attention"]
+__all__ = ["dynamic_inference_workarounds", "WORKAROUNDS", "paged_causal_attention", "dynamic_engine",
+           "generate"]
 
 ATTENTION = "megatron.core.transformer.attention"
 DYNAMIC_CONTEXT = "megatron.core.inference.contexts.dynamic_context"
@@ -207,3 +209,61 @@ def dynamic_inference_workarounds() -> Iterator[None]:
                 yield
         finally:
             replacements.restore()
+
+
+# --- a tiny engine ----------------------------------------------------------------
+
+_request_ids = itertools.count()
+
+
+def dynamic_engine(model, tp: int, pp: int = 1, max_sequence_length: int = 64, max_requests: int = 8,
+                   threshold: int = -1):
+    """A ``DynamicInferenceEngine`` over ``model`` built as upstream's gpt_dynamic_inference.py builds
+    it (no CUDA graphs; every logit materialised, so log-probs can be returned): the context, the
+    GPT inference wrapper, the text-generation controller with an ids-only tokenizer."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController)
+
+    config = model.config
+    context = DynamicInferenceContext(
+        params_dtype=config.params_dtype, num_layers=config.num_layers // pp,
+        kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups or config.num_attention_heads,
+        max_sequence_length=max_sequence_length, buffer_size_gb=0.05, max_requests=max_requests,
+        max_tokens=max(256, max_requests * max_sequence_length),
+        block_size_tokens=16, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        materialize_only_last_token_logits=False)
+    wrapper = GPTInferenceWrapper(model, InferenceWrapperConfig(
+        hidden_size=config.hidden_size, params_dtype=config.params_dtype,
+        inference_batch_times_seqlen_threshold=threshold, padded_vocab_size=model.vocab_size), context)
+    wrapper.model_is_pipeline_parallel = pp > 1  # as upstream's gpt_dynamic_inference.py sets it
+
+    class Tokenizer:  # the engine needs ids only
+        bos, eod = None, model.vocab_size - 1
+
+        def detokenize(self, tokens, **_):
+            return " ".join(map(str, tokens))
+
+    controller = TextGenerationController(wrapper, Tokenizer())
+    return DynamicInferenceEngine(controller, context, enable_cuda_graph=False, random_seed=1)
+
+
+def generate(engine, prompts, tokens: int, temperature: float = 1.0, top_k: int = 1):
+    """Requests added as token ids, run to completion (no termination token); returns
+    (generated tokens, their log-probs, the prompt's log-probs from the prefill) per prompt, in
+    prompt order. ``top_k=1`` is greedy; ``top_k=0`` samples from the full distribution."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, return_log_probs=True,
+                            num_tokens_to_generate=tokens, termination_id=-1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(next(_request_ids), list(prompt), params)
+    done = []
+    while engine.has_unfinished_requests():
+        done.extend(engine.step_modern()["finished_request_records"])
+    merged = [r.merge() for r in sorted(done, key=lambda r: r.request_id)]
+    return [(list(r.generated_tokens), list(r.generated_log_probs), list(r.prompt_log_probs or ()))
+            for r in merged]
