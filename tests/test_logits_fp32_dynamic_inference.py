@@ -20,8 +20,10 @@ PROMPTS = ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43, 38, 32, 79, 50,
 def _spy(controller, name, found):
     original = getattr(controller, name)
 
-    def spy(logits, *args, **kwargs):
-        result = original(logits, *args, **kwargs)
+    def spy(*args, **kwargs):
+        # <= 0.16 passes the logits; >= 0.17 reads the controller's buffer
+        logits = args[0] if args else controller._all_logits_cuda
+        result = original(*args, **kwargs)
         found.append((name, str(logits.dtype), logits.detach().float().clone(),
                       result[1].detach().clone() if isinstance(result, tuple) else None))
         return result

@@ -23,6 +23,7 @@ fallback runs instead), unified memory, symmetric-memory all-reduces, FlashInfer
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import time
 from typing import Iterator, Tuple
@@ -124,6 +125,9 @@ class _CpuEvent:
     def synchronize(self):
         return None
 
+    def wait(self, stream=None):
+        return None
+
     def query(self):
         return True
 
@@ -139,6 +143,31 @@ def _cpu_event(_original):
 def _empty_memory_stats(_original):
     # Replaces torch.cuda.memory_stats / reset_peak_memory_stats (logging only in the engine).
     return lambda *args, **kwargs: {}
+
+
+def _cpu_stream_class(_original):
+    # Replaces torch.cuda.Stream (>= 0.17: the controller's copy stream for asynchronous
+    # scheduling). On CPU every op has finished when its call returns; torch's CPU stream stands in.
+    return lambda *args, **kwargs: torch.cpu.Stream()
+
+
+def _cpu_stream_context(_original):
+    # Replaces the torch.cuda.stream(s) context manager around those copies.
+    return lambda stream=None: contextlib.nullcontext()
+
+
+def _merge_heads(original):
+    # Where einops is not installed, attention.py binds ``rearrange`` to None (>= 0.17) and the
+    # dynamic path calls rearrange(out, 's b h d -> s b (h d)'); this is that one pattern.
+    if original is not None:
+        return original
+
+    def rearrange(tensor, pattern):
+        if pattern.replace(" ", "") != "sbhd->sb(hd)":
+            raise NotImplementedError(f"CPU stand-in for einops.rearrange: {pattern!r}")
+        return tensor.flatten(2)
+
+    return rearrange
 
 
 def _no_nvtx(_original):
@@ -167,10 +196,16 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
                "the flash-attn >= 2.7.3 assertion of dynamic batching", _fa_version),
     Workaround(DYNAMIC_CONTEXT, "triton_append_key_value_cache",
                "the Triton KV-cache append kernel", _no_triton_append, optional=True),
-    Workaround(ENGINE, "range_push", "NVTX profiling range (engine step)", _no_nvtx),
-    Workaround(ENGINE, "range_pop", "NVTX profiling range (engine step)", _no_nvtx),
+    # <= 0.16 (later releases use megatron's own nvtx helpers, off unless enabled)
+    Workaround(ENGINE, "range_push", "NVTX profiling range (engine step)", _no_nvtx, optional=True),
+    Workaround(ENGINE, "range_pop", "NVTX profiling range (engine step)", _no_nvtx, optional=True),
     Workaround("megatron.core.inference.communication_utils", "_is_cuda",
                "the is_cuda assertion of the inference pipeline broadcasts", _cpu_tensor_check),
+    Workaround(ATTENTION, "rearrange", "einops.rearrange where einops is missing (dynamic attention)",
+               _merge_heads, optional=True),
+    Workaround("torch.cuda", "Stream", "CUDA side streams (>= 0.17 asynchronous scheduling)",
+               _cpu_stream_class),
+    Workaround("torch.cuda", "stream", "entering a CUDA side stream", _cpu_stream_context),
     Workaround("torch.cuda", "Event", "CUDA events timing the engine's steps", _cpu_event),
     Workaround("torch.cuda", "memory_stats", "CUDA memory statistics (engine logging)",
                _empty_memory_stats),
@@ -224,21 +259,31 @@ def dynamic_engine(model, tp: int, pp: int = 1, max_sequence_length: int = 64, m
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController)
 
     config = model.config
-    context = DynamicInferenceContext(
-        params_dtype=config.params_dtype, num_layers=config.num_layers // pp,
-        kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups or config.num_attention_heads,
-        max_sequence_length=max_sequence_length, buffer_size_gb=0.05, max_requests=max_requests,
-        max_tokens=max(256, max_requests * max_sequence_length),
-        block_size_tokens=16, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        materialize_only_last_token_logits=False)
-    wrapper = GPTInferenceWrapper(model, InferenceWrapperConfig(
-        hidden_size=config.hidden_size, params_dtype=config.params_dtype,
-        inference_batch_times_seqlen_threshold=threshold, padded_vocab_size=model.vocab_size), context)
+    sizes = dict(max_sequence_length=max_sequence_length, buffer_size_gb=0.05, max_requests=max_requests,
+                 max_tokens=max(256, max_requests * max_sequence_length), block_size_tokens=16,
+                 materialize_only_last_token_logits=False)
+    try:  # <= 0.16
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig)
+    except ImportError:  # >= 0.17: one InferenceConfig, the model's own config
+        from megatron.core.inference.config import InferenceConfig
+
+        context = DynamicInferenceContext(config, InferenceConfig(**sizes))
+        wrapper = GPTInferenceWrapper(model, context)
+    else:
+        context = DynamicInferenceContext(
+            params_dtype=config.params_dtype, num_layers=config.num_layers // pp,
+            kv_channels=config.kv_channels,
+            num_attention_heads=config.num_query_groups or config.num_attention_heads,
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **sizes)
+        wrapper = GPTInferenceWrapper(model, InferenceWrapperConfig(
+            hidden_size=config.hidden_size, params_dtype=config.params_dtype,
+            inference_batch_times_seqlen_threshold=threshold, padded_vocab_size=model.vocab_size),
+            context)
     wrapper.model_is_pipeline_parallel = pp > 1  # as upstream's gpt_dynamic_inference.py sets it
 
     class Tokenizer:  # the engine needs ids only
@@ -248,6 +293,8 @@ def dynamic_engine(model, tp: int, pp: int = 1, max_sequence_length: int = 64, m
             return " ".join(map(str, tokens))
 
     controller = TextGenerationController(wrapper, Tokenizer())
+    if "enable_cuda_graph" not in inspect.signature(DynamicInferenceEngine.__init__).parameters:
+        return DynamicInferenceEngine(controller, context)  # >= 0.17: graphs follow the model config
     return DynamicInferenceEngine(controller, context, enable_cuda_graph=False, random_seed=1)
 
 
