@@ -162,3 +162,32 @@ def test_native_rank_is_named_at_once_in_the_megatron_lm_order():
     assert "CrossRankMismatchError" in lines[0]
     assert "rank 1 runs tp_reduce_dtype=native (this rank: fp32)" in lines[0]
     assert seconds < 20, lines[0]  # at model-parallel initialisation, not after the 40 s timeout
+
+
+def _replicas(ctx, per_rank_mode):
+    """Each rank's settings are set before megatron builds its groups (as MEGAPATCH_* variables
+    would), then TP=2 x DP=2 is initialised: the check at initialisation covers the whole job."""
+    import megapatch
+    from megapatch.testing import reinit_model_parallel
+
+    megapatch.enable(tp_reduce_dtype=per_rank_mode[ctx.rank])
+    started = time.monotonic()
+    try:
+        reinit_model_parallel(ctx, tp=2)
+    except CrossRankMismatchError as exc:
+        return f"refused after {time.monotonic() - started:.1f} s: {exc}"
+    return "ok"
+
+
+@pytest.mark.parametrize("modes", [("fp32", "fp32", "native", "native"), ("native", "native", "fp32", "fp32")])
+def test_data_parallel_replicas_with_different_settings_are_refused(modes):
+    """World 4 = TP 2 x DP 2, one replica fp32 and the other native: each TP group agrees, so only
+    a whole-job check can tell; whichever replica rank 0 is in, a rank reports it in seconds."""
+    out = run_ranks(_replicas, world_size=4, args=(list(modes),), init_megatron=False, timeout=120,
+                    env={"MEGAPATCH_CHECK_TIMEOUT": "60"})
+    refused = [text for text in out if text != "ok"]
+    assert refused, out
+    assert all("megapatch settings differ across the job (world size 4" in text for text in refused), refused
+    assert all(float(text.split()[2]) < 20 for text in refused), refused  # not the 60 s timeout
+    assert run_ranks(_replicas, world_size=4, args=(["fp32"] * 4,), init_megatron=False,
+                     timeout=120) == ["ok"] * 4

@@ -8,8 +8,9 @@ a rank that asks for a change from upstream waits, with a timeout, for every ten
 entry and compares them (every option marked ``compared`` in ``megapatch.core.options``).
 
 When: at model-parallel initialisation (every rank where megapatch is loaded publishes, native
-ranks included, and a rank with requests checks its TP group), on the first patched call of any
-patch after each (re)configuration, and on the first patched collective on each group.
+ranks included, and a rank with requests checks its TP group and the whole job: rank 0 against
+every rank, the others against rank 0), on the first patched call of any patch after each
+(re)configuration, and on the first patched collective on each group (the TP group there).
 
 Two kinds of entries. At model-parallel initialisation, which every rank reaches the same number
 of times, each rank writes an entry numbered by that count: a difference there is reported at
@@ -109,6 +110,8 @@ def model_parallel_initialized(settings) -> None:
         _compare(dist, ranks, lambda r: _INIT_KEY.format(number, r), settings, grace=0.0)
         _checked.add(ranks)
         _checked_ids.add(id(group))
+        _compare(dist, _job_ranks(dist), lambda r: _INIT_KEY.format(number, r), settings, grace=0.0,
+                 scope="job")
         pending = False
 
 
@@ -125,6 +128,16 @@ def check_first_call() -> None:
 
     ensure_group_agrees(group, state.current())
     pending = False
+
+
+def _job_ranks(dist) -> tuple:
+    """Rank 0 compares every rank's entry with its own; every other rank compares with rank 0's:
+    the whole job (data-parallel replicas and pipeline stages too) is checked at O(world) store
+    reads in all, without a collective. Only at model-parallel initialisation, which every rank
+    reaches the same number of times: later, ranks outside one TP group are not in step, and a
+    replica that has already reconfigured would read as a difference."""
+    me = dist.get_rank()
+    return tuple(range(dist.get_world_size())) if me == 0 else (0, me)
 
 
 def _tp_group():
@@ -169,7 +182,7 @@ def ensure_group_agrees(group, settings) -> None:
         _checked_ids.add(id(group))
 
 
-def _compare(dist, ranks, key_of, settings, grace: float) -> None:
+def _compare(dist, ranks, key_of, settings, grace: float, scope: str = "tp") -> None:
     """Wait for every rank's entry (up to the check timeout) and raise on a difference (after
     ``grace`` seconds of re-reading)."""
     store = _store(dist)
@@ -177,6 +190,8 @@ def _compare(dist, ranks, key_of, settings, grace: float) -> None:
     me = dist.get_rank()
     mine = _entry(settings)
     keys = {r: key_of(r) for r in ranks}
+    where = (f"tensor-parallel group {list(ranks)}" if scope == "tp" else
+             f"the job (world size {dist.get_world_size()}; rank 0 compares every rank, the others rank 0)")
     start = time.monotonic()
     while True:
         seen: Dict[int, Optional[str]] = {
@@ -190,15 +205,15 @@ def _compare(dist, ranks, key_of, settings, grace: float) -> None:
             published = "; ".join(f"rank {r}: {v}" for r, v in seen.items() if v is not None)
             diagnosis = "; ".join(f"rank {r} runs {_differences(mine, v)}" for r, v in differ.items())
             raise CrossRankMismatchError(
-                f"megapatch settings differ across tensor-parallel group {list(ranks)}: {diagnosis} "
-                f"(this is rank {me}). Published: {published}. Every rank of a TP group must run "
+                f"megapatch settings differ across {where}: {diagnosis} "
+                f"(this is rank {me}). Published: {published}. Every rank of a job must run "
                 f"with the same MEGAPATCH_* settings.")
         if missing and elapsed >= timeout:
             raise CrossRankMismatchError(
-                f"megapatch: rank(s) {missing} of tensor-parallel group {list(ranks)} published no "
+                f"megapatch: rank(s) {missing} of {where} published no "
                 f"megapatch settings within {timeout:g} s ({TIMEOUT_ENV}): megapatch is not "
                 f"loaded there (no MEGAPATCH_* variable and no enable() on that rank), the kill "
                 f"switch {DISABLE_ENV} is set there, or that rank is stuck before reaching "
-                f"megatron. Every rank of a TP group must run with the same MEGAPATCH_* settings "
+                f"megatron. Every rank of a job must run with the same MEGAPATCH_* settings "
                 f"(here: {settings.fingerprint()}).")
         time.sleep(_POLL_S)
