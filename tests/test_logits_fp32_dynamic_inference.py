@@ -21,8 +21,9 @@ def _spy(controller, name, found):
     original = getattr(controller, name)
 
     def spy(*args, **kwargs):
-        # <= 0.16 passes the logits; >= 0.17 reads the controller's buffer
-        logits = args[0] if args else controller._all_logits_cuda
+        # <= 0.16 passes the logits; >= 0.17 reads the rows of this step from the controller's buffer
+        rows = controller.inference_wrapped_model.inference_context.padded_active_token_count
+        logits = args[0] if args else controller._all_logits_cuda[:, :rows]
         result = original(*args, **kwargs)
         found.append((name, str(logits.dtype), logits.detach().float().clone(),
                       result[1].detach().clone() if isinstance(result, tuple) else None))
@@ -31,7 +32,7 @@ def _spy(controller, name, found):
     setattr(controller, name, spy)
 
 
-def _rollouts(ctx):
+def _rollouts(ctx, graph_buffer=False):
     import megapatch
     from megapatch.testing import build_tiny_gpt, gather_full_weights, tiny_gpt_config
     from megapatch.testing.dynamic_inference_compat import dynamic_engine, dynamic_inference_workarounds, generate
@@ -47,6 +48,11 @@ def _rollouts(ctx):
                 model.output_layer.register_forward_pre_hook(
                     lambda module, args: hidden.append(args[0].detach().clone()))
             engine = dynamic_engine(model, ctx.tp_size, ctx.pp_size, max_sequence_length=MAX_SEQ)
+            if graph_buffer:  # >= 0.17 then copies the logits into a buffer the sampler reads (no
+                # graph is captured: the engine was built without them)
+                model.config.cuda_graph_impl = "local"
+                engine.controller._init_dynamic_sampling_tensors()
+            buffer = getattr(engine.controller, "_all_logits_cuda", None)
             seen = []
             for name in ("_dynamic_step_sample_logits", "_dynamic_step_calculate_log_probs"):
                 _spy(engine.controller, name, seen)
@@ -54,12 +60,14 @@ def _rollouts(ctx):
             weight = gather_full_weights(model, ctx)["output_layer.weight"].float() if ctx.is_last_stage else None
             oracle = [(h.float() @ weight.t()).transpose(0, 1) for h in hidden] if weight is not None else None
             found[mode] = dict(seen=seen, oracle=oracle, outputs=outputs,
+                               buffer=None if buffer is None else str(buffer.dtype),
+                               buffer_kept=buffer is getattr(engine.controller, "_all_logits_cuda", None),
                                status=list(megapatch.status().active))
             megapatch.disable()
     return found
 
 
-def _check(ranks, last):
+def _check(ranks, last, graph_buffer=False):
     """Every rank's sampler and log-prob inputs against the last stage's oracle, step by step."""
     for mode in ("native", "fp32"):
         oracle = ranks[last][mode]["oracle"]
@@ -82,16 +90,23 @@ def _check(ranks, last):
                     assert dtype == "torch.bfloat16", (rank, step, dtype)
                     assert error > 1e-4 and lp_error > 1e-4, (rank, step, error, lp_error)
         assert all(found[mode]["outputs"] == ranks[0][mode]["outputs"] for found in ranks)
+    if graph_buffer and ranks[0]["native"]["buffer"] is not None:  # >= 0.17 (0.16 has no buffer)
+        assert ranks[0]["native"]["buffer"] == "torch.bfloat16" and ranks[0]["fp32"]["buffer"] == "torch.float32"
+        assert ranks[0]["native"]["buffer_kept"] and ranks[0]["fp32"]["buffer_kept"]  # copied into
     fp32 = ranks[0]["fp32"]
     assert "logits.fp32_inference" in fp32["status"] and "logits.fp32_lm_head" in fp32["status"]
     assert all(len(tokens) == 5 and len(prompt_lp) == len(prompt) - 1
                for (tokens, _, prompt_lp), prompt in zip(fp32["outputs"], PROMPTS))
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
-def test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs(tp, pp):
-    ranks = run_ranks(_rollouts, world_size=tp * pp, tp=tp, pp=pp, timeout=300)
-    _check(ranks, last=len(ranks) - 1)
+@pytest.mark.parametrize("tp,pp,graph_buffer", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 1, True)],
+                         ids=["tp1", "tp2", "pp2", "tp1-cuda-graph-buffer"])
+def test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs(tp, pp, graph_buffer):
+    """``tp1-cuda-graph-buffer``: the controller set up as with ``cuda_graph_impl="local"``; from
+    0.17 it then allocates ``_all_logits_cuda`` in params_dtype and copies each step's logits into
+    it (on 0.16 it allocates nothing and the case is the plain TP1 one)."""
+    ranks = run_ranks(_rollouts, world_size=tp * pp, tp=tp, pp=pp, args=(graph_buffer,), timeout=300)
+    _check(ranks, last=len(ranks) - 1, graph_buffer=graph_buffer)
 
 
 def test_a_logits_buffer_allocated_in_params_dtype_becomes_fp32(monkeypatch):
