@@ -235,3 +235,27 @@ def test_flags_translate_to_the_config_fields_megatron_lm_builds():
     assert (config.num_attention_heads, config.num_query_groups, config.num_moe_experts) == (16, 4, 8)
     assert config_from_flags(["--num-query-groups", "4"]).num_query_groups is None  # needs --group-query-attention
     assert not config_from_flags(["--swiglu", "--no-bias-swiglu-fusion"]).bias_activation_fusion
+
+
+# a module megapatch (or its patches) needs is absent: hidden from the import system as if uninstalled
+WITHOUT = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == {module!r}:
+            raise ModuleNotFoundError(f"No module named '{{name}}'", name=name)
+sys.meta_path.insert(0, Hide())
+from megapatch.commands.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def test_status_json_without_wrapt_or_torch_names_the_missing_module():
+    """--json prints a JSON document and no traceback; the message names the real cause (it once
+    said "an invalid MEGAPATCH_* value" with torch missing, and printed a traceback without wrapt)."""
+    for module in ("wrapt", "torch"):
+        result = run_python(WITHOUT.format(module=module, argv=["status", "--json"]))
+        assert result.returncode == 1, (module, result.stdout, result.stderr)
+        assert "Traceback" not in result.stdout + result.stderr, (module, result.stderr[-2000:])
+        message = json.loads(result.stdout)["result"]["message"]
+        assert f"No module named '{module}'" in message and "MEGAPATCH_" not in message, message

@@ -50,7 +50,13 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("doctor", "status"):
-        from megapatch.commands.doctor import render_doctor, render_status, survey
+        try:
+            from megapatch.commands.doctor import render_doctor, render_status, survey
+        except ImportError as exc:  # megapatch's own requirement (wrapt, packaging) is missing
+            message = (f"megapatch {args.command} cannot run: {exc} (megapatch needs wrapt and packaging: "
+                       f"pip install megapatch, or pip install wrapt packaging)")
+            print(json.dumps({"result": {"code": 1, "message": message}}, indent=1) if args.json else message)
+            return 1
 
         flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
         if flags and not args.flags[:1] == ["--"]:

@@ -192,12 +192,17 @@ def _survey(result: dict) -> None:
         result["settings"] = {o.name: getattr(settings, o.name) for o in options.OPTIONS}
         result["sources"] = dict(sources)
         result["disabled"] = _kill_switch()
-    except Exception as exc:  # noqa: BLE001 -- OptionError, or anything the parsing raises
+    except options.OptionError as exc:
         result["error"] = _short(str(exc), _LONGEST_ERROR)
         settings = None
-    if result["error"] is None:
+    except Exception as exc:  # noqa: BLE001 -- not the user's value: a missing module (torch), a defect
+        result["problems"].append(f"resolving the settings raised {type(exc).__name__}: "
+                                  f"{_short(str(exc), _LONGEST_ERROR)}")
+        result["activation"].update(state="not-run", detail="the settings could not be resolved")
+        settings = None
+    if settings is not None:
         _activate_like_a_job(result, settings)
-    else:
+    elif result["error"] is not None:
         result["activation"].update(state="refused", detail="the environment holds an invalid value")
     patches, error = _guard("discovering patches", engine.patches, ())
     if error:
@@ -254,6 +259,8 @@ def _verdict(result: dict, strict: bool):
     if failing:
         how = "the job would stop" if strict else "the job would run them unpatched"
         return CANNOT_APPLY, f"requested patch(es) cannot apply: {', '.join(failing)}; {how} (exit 1)"
+    if result["settings"] is None and result["problems"]:
+        return CANNOT_APPLY, f"{result['problems'][0]} (exit 1)"
     state = result["activation"]["state"]
     if state in ("failed", "not-run"):
         return CANNOT_APPLY, f"activation from the environment {'fails' if state == 'failed' else 'never happens'} (exit 1)"
