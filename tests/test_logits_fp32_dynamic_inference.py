@@ -151,3 +151,91 @@ def test_an_unknown_logits_buffer_is_refused_at_enable(monkeypatch):
     status = megapatch.enable(logits_dtype="fp32", strict=False)
     assert status.patch("logits.fp32_inference").state == "skipped"
     assert "logits.fp32_inference" not in status.active
+
+
+EXAMPLE = "examples/inference/gpt/gpt_dynamic_inference.py"
+PROMPTS_TEXT = ("w1 w2 w3 . w4 w5 w6 w7", "w9 . w10 w11 w12 w13 w14 w15 w16 w17 w18")
+
+
+@pytest.fixture(scope="module")
+def example_checkout(tmp_path_factory):
+    """core_v0.16.1's checkout, a word-level tokenizer with a BOS (the example strips it; neither
+    NullTokenizer has one), and a pretrain_gpt.py checkpoint of the initial weights at TP 1 and 2."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    from conftest import REPO
+    from megapatch.testing import megatron_lm_runs as mlm
+
+    missing = mlm.missing_training_modules() + [m for m in ("simpy", "transformers", "tokenizers")
+                                                if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"upstream's dynamic-inference example needs {', '.join(missing)} (pip install them)")
+    tarball = Path(os.environ.get("MEGATRON_LM_TARBALLS", Path(REPO).parent / "shared" / "megatron-lm")) \
+        / mlm.TARBALLS["core_v0.16.1"]
+    if not tarball.is_file():
+        pytest.skip(f"no Megatron-LM source: {tarball} is absent")
+    root = tmp_path_factory.mktemp("example")
+    checkout = mlm.unpack(tarball, root / "src")
+    from megapatch.testing.llama_hf import _tokenizer
+
+    _tokenizer(256).save_pretrained(str(root / "tokenizer"))
+    for tp in (1, 2):
+        run = mlm.launch(checkout, _example_flags(tp, ["--save", str(root / f"ckpt{tp}"), "--save-interval", "1"]),
+                         nproc=tp, timeout=300)
+        assert run.returncode == 0, run.tail()
+    return checkout, root
+
+
+def _example_flags(tp, extra):
+    from megapatch.testing import megatron_lm_runs as mlm
+
+    # vocab 255 + EOD pads to 256 at TP 1 and 2 (the tokenizer's 256 too); lr 0 keeps the initial
+    # weights, the same full model at both TP sizes
+    return mlm.tiny_gpt_flags(tp=tp, iters=1, vocab=255, seq=64, lr=0.0,
+                              extra=["--ckpt-format", "torch", *extra])
+
+
+def _run_example(example_checkout, tp, env):
+    import json
+
+    from megapatch.testing import megatron_lm_runs as mlm
+
+    checkout, root = example_checkout
+    out = root / f"out-{tp}-{len(env)}.json"
+    flags = _example_flags(tp, [
+        "--load", str(root / f"ckpt{tp}"), "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", str(root / "tokenizer"), "--prompts", *PROMPTS_TEXT,
+        "--num-tokens-to-generate", "6", "--return-log-probs", "--top_k", "1",
+        "--inference-dynamic-batching-buffer-size-gb", "0.05",
+        "--inference-dynamic-batching-block-size", "16", "--inference-dynamic-batching-max-requests", "8",
+        "--inference-dynamic-batching-max-tokens", "512", "--output-path", str(out)])
+    run = mlm.launch(checkout, flags, nproc=tp, timeout=300, script=EXAMPLE,
+                     megapatch_env=env,
+                     entry=["-m", "megapatch.testing.dynamic_inference_compat"],
+                     extra_env={"PYTHONPATH": str(checkout)})  # as upstream's launch scripts set it
+    assert run.returncode == 0, run.tail()
+    results = [r for r in json.loads(out.read_text()).values() if isinstance(r, dict) and "input_prompt" in r]
+    return run, sorted(results, key=lambda r: r["input_prompt"])
+
+
+def test_upstreams_dynamic_inference_example_runs_on_cpu_ranks_with_fp32_logits(example_checkout):
+    """core_v0.16.1's examples/inference/gpt/gpt_dynamic_inference.py, unmodified, through the CPU
+    launcher, megapatch activated by MEGAPATCH_* variables as in any launch: natively, and with
+    FP32 logits + tp_invariant at TP 1 and TP 2. The prompt log-probs come from the prefill (its
+    input does not depend on sampling): FP32 logits change them; and with tp_invariant the TP 2
+    rollout's log-probs, prompt and greedy generation alike, equal TP 1's bit for bit."""
+    patched = {"MEGAPATCH_LOGITS_DTYPE": "fp32", "MEGAPATCH_TP_INVARIANT": "1"}
+    native_run, native = _run_example(example_checkout, 1, {})
+    fp32_run, fp32 = _run_example(example_checkout, 1, patched)
+    _, fp32_tp2 = _run_example(example_checkout, 2, patched)
+    assert "logits.fp32_inference" in fp32_run.log and "logits.fp32_inference" not in native_run.log
+    assert [r["input_prompt"] for r in native] == [r["input_prompt"] for r in fp32] == sorted(PROMPTS_TEXT)
+    for a, b, c in zip(native, fp32, fp32_tp2):
+        assert len(a["generated_logprobs"]) == len(b["generated_logprobs"]) == 6
+        assert len(b["prompt_logprobs"]) == len(b["input_prompt"].split()) - 1
+        change = max(abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"]))
+        assert change > 1e-5, change  # native: log-softmax of BF16 logits
+        assert (b["prompt_logprobs"], b["generated_logprobs"], b["generated_tokens"]) == \
+            (c["prompt_logprobs"], c["generated_logprobs"], c["generated_tokens"])

@@ -22,6 +22,7 @@ fallback runs instead), unified memory, symmetric-memory all-reduces, FlashInfer
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import itertools
@@ -141,8 +142,9 @@ def _cpu_event(_original):
 
 
 def _empty_memory_stats(_original):
-    # Replaces torch.cuda.memory_stats / reset_peak_memory_stats (logging only in the engine).
-    return lambda *args, **kwargs: {}
+    # Replaces torch.cuda.memory_stats / reset_peak_memory_stats (the engine's and the example's
+    # memory logging): no CUDA memory, every statistic reads 0.
+    return lambda *args, **kwargs: collections.defaultdict(int)
 
 
 def _cpu_stream_class(_original):
@@ -168,6 +170,12 @@ def _merge_heads(original):
         return tensor.flatten(2)
 
     return rearrange
+
+
+def _cpu_long_tensor(_original):
+    # Replaces torch.cuda.LongTensor([time.time_ns()]) in the example's get_curr_time
+    # (examples/inference/gpt/utils.py), a timestamp broadcast for timing.
+    return torch.LongTensor
 
 
 def _no_nvtx(_original):
@@ -203,6 +211,13 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
                "the is_cuda assertion of the inference pipeline broadcasts", _cpu_tensor_check),
     Workaround(ATTENTION, "rearrange", "einops.rearrange where einops is missing (dynamic attention)",
                _merge_heads, optional=True),
+    # the example turns megatron's NVTX ranges on (configure_nvtx_profiling(True))
+    Workaround("torch.cuda.nvtx", "range_push", "NVTX ranges (megatron.core.utils.nvtx_range_push)",
+               _no_nvtx),
+    Workaround("torch.cuda.nvtx", "range_pop", "NVTX ranges (megatron.core.utils.nvtx_range_pop)",
+               _no_nvtx),
+    Workaround("torch.cuda", "LongTensor", "the inference example's CUDA timestamp tensor",
+               _cpu_long_tensor),
     Workaround("torch.cuda", "Stream", "CUDA side streams (>= 0.17 asynchronous scheduling)",
                _cpu_stream_class),
     Workaround("torch.cuda", "stream", "entering a CUDA side stream", _cpu_stream_context),
@@ -314,3 +329,16 @@ def generate(engine, prompts, tokens: int, temperature: float = 1.0, top_k: int 
     merged = [r.merge() for r in sorted(done, key=lambda r: r.request_id)]
     return [(list(r.generated_tokens), list(r.generated_log_probs), list(r.prompt_log_probs or ()))
             for r in merged]
+
+
+def main(argv=None) -> None:
+    """``torchrun -m megapatch.testing.dynamic_inference_compat SCRIPT.py ...``: the CPU launcher
+    (``megapatch.testing.cpu_launch``) with the dynamic engine's stand-ins around the script too."""
+    from megapatch.testing import cpu_launch
+
+    with dynamic_inference_workarounds():
+        cpu_launch.main(argv)
+
+
+if __name__ == "__main__":
+    main()
