@@ -15,6 +15,11 @@ probabilities·V. So a rollout and the training forward run the same attention a
 what separates them is the cache, the query shapes (one token per decode step) and the logits.
 flash-attn itself accumulates in FP32 with an online softmax: its own rounding is not modelled.
 
+``python -m megapatch.testing.dynamic_inference_compat SCRIPT.py ...`` (under torchrun) is the CPU
+launcher (``megapatch.testing.cpu_launch``) with these stand-ins around the script as well: it runs
+upstream's ``examples/inference/gpt/gpt_dynamic_inference.py``. :func:`dynamic_engine` and
+:func:`generate` build and drive a tiny engine in-process (0.16's and 0.17+'s constructors).
+
 What stays unrun on CPU: CUDA graphs (``enable_cuda_graph`` must be False; the stand-ins refuse
 nothing, the engine simply never captures), the Triton KV-append kernel (upstream's own torch
 fallback runs instead), unified memory, symmetric-memory all-reduces, FlashInfer RoPE, MLA.
