@@ -109,7 +109,7 @@ def _dtype_allocations(cls) -> dict:
     local name the method assigned from one."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     found = {}
-    for method in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+    for method in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
         model_dtype = {"params_dtype"}
         for node in ast.walk(method):
             if not isinstance(node, ast.Assign):
@@ -176,7 +176,7 @@ PATCHES = (
                      optional=True) for name in PP_METHODS),
             Target(CONTROLLER, "broadcast_from_last_pipeline_stage", _broadcast,
                    params=("size", "dtype", "tensor"), rebind_aliases=False),
-            # absent before the dynamic engine (<= 0.12)
+            # optional: a controller without the dynamic engine's sampling tensors lacks it
             Target(CONTROLLER, "TextGenerationController._init_dynamic_sampling_tensors",
                    _sampling_buffers, kind="method", params=("self",), optional=True),
         ),
