@@ -1,8 +1,10 @@
 """FP32 LM-head logits: the output layer keeps its GEMM accumulator in FP32 (Megatron-LM PR #6252).
 
 ``GPTModel.forward`` (and ``MambaModel.forward`` where the installed version has it) marks its own
-``output_layer`` for the duration of the call; that layer's ``ColumnParallelLinear.forward`` then
-runs upstream's linear autograd Function with an FP32 output (``megapatch.numerics.fp32_output_linear``): TE
+``output_layer`` for the duration of the call, and so does
+``LanguageModule.compute_mtp_single_step`` (megatron-core >= 0.18: the dynamic engine's MTP /
+speculative draft logits); that layer's ``ColumnParallelLinear.forward`` then runs upstream's
+linear autograd Function with an FP32 output (``megapatch.numerics.fp32_output_linear``): TE
 ``general_gemm(..., out_dtype=torch.float32)`` where TE and CUDA are there, ``torch.mm(...,
 out_dtype=torch.float32)`` on CUDA, FP32 copies of the BF16 operands on CPU. The backward is
 upstream's, after ``grad_output`` is cast to the input dtype -- the PR's contract.
@@ -35,6 +37,7 @@ from megapatch.core.scope import scoped
 from megapatch.patches._common import LAYERS, MEGATRON_CORE_TESTED, when
 GPT = "megatron.core.models.gpt.gpt_model"
 MAMBA = "megatron.core.models.mamba.mamba_model"
+LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module"
 
 _lm_head = contextvars.ContextVar("megapatch_lm_head", default=None)
 
@@ -150,20 +153,26 @@ _logits_patch = functools.partial(Patch, option="logits_dtype", applies=when("lo
                                   supports=MEGATRON_CORE_TESTED)
 
 
-def _model_marking_patch(name, module, model, summary, watches=()):
+def _model_marking_patch(name, module, model, summary, watches=(), extra=()):
     """A model class whose construction refuses a foreign head and whose forward marks its
-    output layer for FP32 logits."""
+    output layer for FP32 logits (``extra``: further targets marking it the same way)."""
     return _logits_patch(
         name=name, summary=summary, hook=module, backend=_backend, watches=watches,
         targets=(Target(module, f"{model}.__init__", _model_init, kind="method"),
-                 Target(module, f"{model}.forward", _model_forward, kind="method")))
+                 Target(module, f"{model}.forward", _model_forward, kind="method"), *extra))
 
 
 PATCHES = (
     _model_marking_patch(
         "logits.fp32_lm_head", GPT, "GPTModel",
         "FP32 LM-head logits with the GEMM accumulator kept (GPTModel marks its output layer)",
-        watches=(f"{GPT}:GPTModel._postprocess", f"{LAYERS}:ColumnParallelLinear.__init__")),
+        watches=(f"{GPT}:GPTModel._postprocess", f"{LAYERS}:ColumnParallelLinear.__init__"),
+        # the dynamic engine's MTP / speculative drafts (megatron-core >= 0.18) call the output
+        # layer here, outside GPTModel.forward; one wrapper serves GPTModel and the hybrid model
+        # (the inference wrapper imports gpt_model, so this hook fires before any MTP step)
+        extra=(Target(LANGUAGE_MODULE, "LanguageModule.compute_mtp_single_step", _model_forward,
+                      kind="method", params=("self", "hidden_states", "next_token_ids", "position_ids"),
+                      optional=True),)),
     # the hybrid/Mamba model calls its output layer the same way (megatron-core >= 0.12)
     _model_marking_patch("logits.fp32_lm_head_mamba", MAMBA, "MambaModel",
                          "FP32 LM-head logits for MambaModel (same marking as GPTModel)"),

@@ -161,6 +161,62 @@ def test_an_unknown_logits_buffer_is_refused_at_enable(monkeypatch):
     assert "logits.fp32_inference" not in status.active
 
 
+def _has_mtp_single_step() -> bool:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    return hasattr(LanguageModule, "compute_mtp_single_step")
+
+
+def _mtp_drafts(ctx):
+    """``compute_mtp_single_step`` (what the dynamic engine's speculative decoding calls for each
+    MTP depth) on a tiny GPT with one MTP layer, natively and with FP32 logits."""
+    from unittest import mock
+
+    import megapatch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer import multi_token_prediction
+    from megapatch.testing import build_tiny_gpt, gather_full_weights, tiny_gpt_config
+
+    found = {}
+    for mode in ("native", "fp32"):
+        megapatch.enable(logits_dtype=mode)
+        config = tiny_gpt_config(tp=ctx.tp_size, mtp_num_layers=1)
+        spec = get_gpt_mtp_block_spec(config, get_gpt_layer_local_spec(), use_transformer_engine=False)
+        # main, without TE: upstream's inference-layer classes are mocks and its isinstance check
+        # raises; no inference-optimized (TE) layer exists here, so the answer is False (0.18/0.19
+        # have no such check: create=True adds a name nothing reads)
+        with mock.patch.object(multi_token_prediction, "is_inference_column_parallel_linear",
+                               lambda module: False, create=True):
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=MAX_SEQ, seed=5, mtp_block_spec=spec).eval()
+        hidden = []
+        model.output_layer.register_forward_pre_hook(lambda module, args: hidden.append(args[0].detach().clone()))
+        torch.manual_seed(0)
+        states = torch.randn(3, 1, config.hidden_size).to(config.params_dtype)
+        mtp_hidden, logits = model.compute_mtp_single_step(
+            hidden_states=states, next_token_ids=torch.tensor([[3, 14, 71]]),
+            position_ids=torch.tensor([[11, 9, 2]]), depth=0)
+        weight = gather_full_weights(model, ctx)["output_layer.weight"].float()
+        oracle = hidden[0].float() @ weight.t()  # the BF16 MTP hidden states times the full weight
+        found[mode] = dict(dtype=str(logits.dtype), shape=tuple(logits.shape), calls=len(hidden),
+                           error=(logits.float() - oracle).abs().max().item(), mtp_hidden=mtp_hidden.clone())
+        megapatch.disable()
+    return found
+
+
+@pytest.mark.skipif(not _has_mtp_single_step(), reason="this megatron-core has no "
+                    "LanguageModule.compute_mtp_single_step (MTP speculative decoding: 0.18+)")
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_mtp_draft_logits_are_fp32(tp):
+    """The MTP draft logits of speculative decoding: upstream calls the output layer in
+    ``compute_mtp_single_step``, outside ``GPTModel.forward``; with FP32 logits it is marked too."""
+    for found in run_ranks(_mtp_drafts, world_size=tp, tp=tp, timeout=300):
+        native, fp32 = found["native"], found["fp32"]
+        assert native["shape"] == fp32["shape"] == (3, 1, V) and native["calls"] == fp32["calls"] == 1
+        assert fp32["dtype"] == "torch.float32" and fp32["error"] < 1e-5, fp32
+        assert native["dtype"] == "torch.bfloat16" and native["error"] > 1e-4, native  # the oracle can fail
+        assert torch.equal(native["mtp_hidden"], fp32["mtp_hidden"])  # only the head changes
+
+
 EXAMPLE = "examples/inference/gpt/gpt_dynamic_inference.py"
 PROMPTS_TEXT = ("w1 w2 w3 . w4 w5 w6 w7", "w9 . w10 w11 w12 w13 w14 w15 w16 w17 w18")
 
