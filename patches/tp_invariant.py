@@ -93,8 +93,7 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     group = tp_group(instance)
     groups = getattr(getattr(instance, "config", None), "num_query_groups", None)
     if groups is not None and groups < tpi.group_size(group):
-        _refuse(f"num_query_groups={groups} (--num-query-groups) below the TP size {tpi.group_size(group)}",
-                "the key/value gradients of one group are then summed across ranks outside the fixed tree")
+        _refuse(*_few_kv_groups(groups, tpi.group_size(group)))
     allreduce_dgrad = argument(args, kwargs, 4, "allreduce_dgrad", False)
     if tpi.group_size(group) > 1 and not allreduce_dgrad:
         _refuse("a column-parallel layer whose dgrad is reduced outside it",
@@ -198,9 +197,18 @@ def _config_refusals(config):
     tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     if groups < tp:
-        found.append((f"num_query_groups={groups} (--num-query-groups) below the TP size {tp}",
-                      "the key/value gradients of one group are then summed across ranks outside the fixed tree"))
+        found.append(_few_kv_groups(groups, tp))
     return found
+
+
+def _few_kv_groups(groups: int, tp: int):
+    return (f"num_query_groups={groups} (--num-query-groups) below the TP size {tp}",
+            "the key/value gradients of one group are then summed across ranks outside the fixed tree")
+
+
+def _described(refusals) -> str:
+    """What a preflight check reports: the refusals the patch would raise, in its words."""
+    return "; ".join(f"does not support {what}: {why}" for what, why in refusals) or None
 
 
 def _check_config(config) -> None:
@@ -214,13 +222,15 @@ def _preflight_model(config):
     if getattr(config, "transformer_impl", "local") != "local":
         refusals.append((f"transformer_impl={config.transformer_impl!r} (Megatron-LM: --transformer-impl, "
                          f"default transformer_engine; use --transformer-impl local)", _TE_WHY))
-    return "; ".join(f"does not support {what}: {why}" for what, why in refusals) or None
+    return _described(refusals)
+
+
+_DISTRIBUTED_OPTIMIZER = ("the distributed optimizer (Megatron-LM: --use-distributed-optimizer)",
+                          "its flat main-parameter shards have no partition dim for the invariant grad norm")
 
 
 def _preflight_optimizer(config):
-    if getattr(config, "use_distributed_optimizer", False):
-        return f"does not support {_DISTRIBUTED_OPTIMIZER[0]}: {_DISTRIBUTED_OPTIMIZER[1]}"
-    return None
+    return _described([_DISTRIBUTED_OPTIMIZER] if getattr(config, "use_distributed_optimizer", False) else [])
 
 
 def _block_init(wrapped, instance, args, kwargs):
@@ -233,10 +243,6 @@ def _block_init(wrapped, instance, args, kwargs):
     for module in instance.modules():
         _refuse_te(module)
     return result
-
-
-_DISTRIBUTED_OPTIMIZER = ("the distributed optimizer (Megatron-LM: --use-distributed-optimizer)",
-                          "its flat main-parameter shards have no partition dim for the invariant grad norm")
 
 
 def _distributed_optimizer_init(wrapped, instance, args, kwargs):
@@ -268,7 +274,7 @@ def _grad_norm_fp32(wrapped, instance, args, kwargs):
     from megatron.core.transformer.module import param_is_not_shared
 
     if any(type(o).__name__ == "DistributedOptimizer" for o in _optimizers(owner)):
-        _refuse("the distributed optimizer", "its flat main-parameter shards have no partition dim")
+        _refuse(*_DISTRIBUTED_OPTIMIZER)
     tp_group = getattr(owner, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
     stages = _pipeline_stages(argument(args, kwargs, 2, "grad_stats_parallel_group", None), tp_group)
     decoupled = getattr(owner.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)

@@ -9,7 +9,7 @@ Only the flags below are read; anything else on the command line is ignored.
 from __future__ import annotations
 
 import types
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 
 def _value(argv: Sequence[str], flag: str) -> Optional[str]:
@@ -57,7 +57,3 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
     if heads is None:
         fields["num_attention_heads"] = fields["num_query_groups"] or 1
     return types.SimpleNamespace(**fields)
-
-
-def describe(config: types.SimpleNamespace) -> List[str]:
-    return [f"{k}={v}" for k, v in vars(config).items()]
