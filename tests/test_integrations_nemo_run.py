@@ -54,13 +54,18 @@ def test_setup_adds_the_variables_and_keeps_the_executors_own():
                              skip_patches=["tp_reduce.transformer_engine"])
     executor = nemo_run.LocalExecutor(env_vars={"NCCL_DEBUG": "WARN"})
     plugin.setup(nemo_run.Script(inline="true"), executor)
+    set_by = executor.env_vars.pop(options.SET_BY_ENV)
     assert executor.env_vars == {"NCCL_DEBUG": "WARN", "MEGAPATCH_TP_REDUCE_DTYPE": "fp32",
                                  "MEGAPATCH_STRICT": "0",
                                  "MEGAPATCH_SKIP_PATCHES": "tp_reduce.transformer_engine"}
-    # what the plugin writes, the variables' parser reads back as the same settings
-    settings, sources = options.resolve({}, environ=executor.env_vars)
+    # what the plugin writes, the variables' parser reads back as the same settings, and a message
+    # on a rank names the plugin field the user wrote
+    settings, sources = options.resolve({}, environ={**executor.env_vars, options.SET_BY_ENV: set_by})
     assert (settings.tp_reduce_dtype, settings.strict) == ("fp32", False)
-    assert sources["tp_reduce_dtype"] == "env MEGAPATCH_TP_REDUCE_DTYPE"
+    assert sources["tp_reduce_dtype"] == ("env MEGAPATCH_TP_REDUCE_DTYPE set by NeMo-Run "
+                                          "MegapatchPlugin(tp_reduce_dtype='float32')")
+    assert options.origin("tp_reduce_dtype", "fp32", sources["tp_reduce_dtype"]).startswith(
+        "NeMo-Run MegapatchPlugin(tp_reduce_dtype='float32'), which sets MEGAPATCH_TP_REDUCE_DTYPE=fp32")
 
 
 def test_invalid_value_fails_when_the_plugin_is_built():
@@ -97,7 +102,9 @@ def test_the_task_sees_the_variables(tmp_path, nemorun_home):
     nemo_run.run(nemo_run.Script(inline=f"env | grep ^MEGAPATCH_ > {out}"),
                  executor=nemo_run.LocalExecutor(),
                  plugins=[MegapatchPlugin(logits_dtype="fp32")], detach=False)
-    assert out.read_text().split() == ["MEGAPATCH_LOGITS_DTYPE=fp32"]
+    assert sorted(out.read_text().splitlines()) == [
+        "MEGAPATCH_LOGITS_DTYPE=fp32",
+        "MEGAPATCH_SET_BY=MEGAPATCH_LOGITS_DTYPE=fp32|NeMo-Run MegapatchPlugin(logits_dtype='fp32')"]
     assert glob.glob(str(nemorun_home / "experiments" / "*"))  # NeMo-Run wrote under the tmp home
 
 
@@ -136,8 +143,10 @@ def test_local_torchrun_job_trains_with_megapatch_on(nemorun_home, monkeypatch):
     enabled = re.findall(r"^\[default(\d+)\]:megapatch enabled: (.*)$", log, re.MULTILINE)
     assert [rank for rank, _ in enabled] == ["0"], log[-3000:]  # rank 0 only, once
     line = enabled[0][1]
-    assert "tp_reduce_dtype=fp32 (env MEGAPATCH_TP_REDUCE_DTYPE)" in line
-    assert "logits_dtype=fp32 (env MEGAPATCH_LOGITS_DTYPE)" in line
+    # the activation line names the plugin fields the user wrote (issue 19 item 7)
+    assert ("tp_reduce_dtype=fp32 (env MEGAPATCH_TP_REDUCE_DTYPE set by NeMo-Run "
+            "MegapatchPlugin(tp_reduce_dtype='fp32'))") in line
+    assert "logits_dtype=fp32 (env MEGAPATCH_LOGITS_DTYPE set by NeMo-Run MegapatchPlugin(logits_dtype='fp32'))" in line
     assert re.search(r"patches active: .*tp_reduce\.megatron_core", line)
     done = re.findall(r"^\[default0\]:nemo_run_tiny_gpt step done: (.*)$", log, re.MULTILINE)
     assert len(done) == 1, log[-3000:]

@@ -48,6 +48,31 @@ def test_every_option_has_a_flag_that_sets_its_variable():
     assert args.command == ["torchrun", "--nproc-per-node", "2", "train.py", "--tp-reduce-dtype", "x"]
 
 
+def test_messages_name_the_flag_that_set_a_variable():
+    parser = launcher.parser()
+    args = parser.parse_args(["--tp-invariant", "--tp-reduce-dtype", "fp32", "python"])
+    env = launcher.environment(args, base={
+        "MEGAPATCH_LOGITS_DTYPE": "fp32", options.SET_BY_ENV: "MEGAPATCH_LOGITS_DTYPE=fp32|an outer tool"})
+    settings, sources = options.resolve({}, environ={**env, "MEGAPATCH_TP_REDUCE_DTYPE": "native"})
+    assert sources["tp_invariant"] == "env MEGAPATCH_TP_INVARIANT set by megapatch-run --tp-invariant"
+    assert sources["logits_dtype"] == "env MEGAPATCH_LOGITS_DTYPE set by an outer tool"  # kept
+    # changed after the launcher set it: the variable is the source, not the flag
+    assert sources["tp_reduce_dtype"] == "env MEGAPATCH_TP_REDUCE_DTYPE"
+    args = parser.parse_args(["--no-tp-invariant", "python"])
+    _, sources = options.resolve({}, environ=launcher.environment(args, base={}))
+    assert sources["tp_invariant"] == "env MEGAPATCH_TP_INVARIANT set by megapatch-run --no-tp-invariant"
+
+
+def test_a_refusal_through_the_launcher_names_its_flags():
+    """Issue 19 item 7: a value set by a flag is reported as that flag, not as the variable."""
+    result = _launch(["--tp-invariant", "--tp-reduce-dtype", "fp32", sys.executable, "-c",
+                      "import megatron.core"])
+    assert result.returncode != 0
+    assert ("tp_invariant=True (from megapatch-run --tp-invariant, which sets MEGAPATCH_TP_INVARIANT=1; "
+            "remove it there to change it) cannot be combined with tp_reduce_dtype='fp32' (from "
+            "megapatch-run --tp-reduce-dtype fp32, which sets MEGAPATCH_TP_REDUCE_DTYPE=fp32") in result.stderr
+
+
 def test_bootstrap_dir_holds_only_sitecustomize():
     """The directory goes first on sys.path of every process: it must shadow nothing else."""
     shipped = [n for n in os.listdir(launcher.BOOTSTRAP_DIR) if n != "__pycache__"]

@@ -63,12 +63,21 @@ def environment(args: argparse.Namespace, base: Optional[Dict[str, str]] = None)
     """The command's environment: ``base`` plus the flags' variables and the bootstrap path.
     Raises OptionError (naming the flag) for an invalid value."""
     env = dict(os.environ if base is None else base)
+    values, who = {}, {}
     for option in _options.OPTIONS:
         value = getattr(args, option.name)
         if value is None:
             continue
         option.parse(value, _flag(option))  # the child parses the variable the same way
-        env[option.env] = ("1" if value else "0") if isinstance(value, bool) else value
+        if isinstance(value, bool):
+            values[option.env] = "1" if value else "0"
+            who[option.env] = f"megapatch-run {_flag(option) if value else '--no-' + _flag(option)[2:]}"
+        else:
+            values[option.env] = value
+            who[option.env] = f"megapatch-run {_flag(option)} {value}"
+    env.update(values)
+    if values:  # messages name the flag, not only the variable it set
+        env[_options.SET_BY_ENV] = _options.set_by(values, who, env)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + paths)
     return env

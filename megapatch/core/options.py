@@ -25,6 +25,10 @@ ENV_PREFIX = "MEGAPATCH_"
 DISABLE_ENV = "MEGAPATCH_DISABLE"
 TIMEOUT_ENV = "MEGAPATCH_CHECK_TIMEOUT"
 SKIP_PATCHES_ENV = "MEGAPATCH_SKIP_PATCHES"
+#: Written by the tools that set ``MEGAPATCH_*`` variables for the user (``megapatch-run``, the
+#: NeMo-Run plugin): ``VAR=VALUE|who;...``, so that a message names the flag or field the user
+#: really wrote. An entry counts only while ``VAR`` still holds ``VALUE``.
+SET_BY_ENV = "MEGAPATCH_SET_BY"
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -284,14 +288,40 @@ def unknown_env_variables(environ: Optional[Mapping[str, str]] = None,
     return found
 
 
+def set_by(values: Mapping[str, str], who: Mapping[str, str],
+           environ: Optional[Mapping[str, str]] = None) -> str:
+    """The ``MEGAPATCH_SET_BY`` text recording that ``who[var]`` (``megapatch-run --tp-invariant``)
+    set each ``values[var]``; entries for other variables already in ``environ`` are kept."""
+    entries = {var: f"{values[var]}|{who[var]}" for var in values}
+    for var, (value, by) in _set_by(environ or {}).items():
+        entries.setdefault(var, f"{value}|{by}")
+    return ";".join(f"{var}={entry}" for var, entry in sorted(entries.items()))
+
+
+def _set_by(environ: Mapping[str, str]) -> dict:
+    """``{var: (value, who)}`` from ``MEGAPATCH_SET_BY``; malformed entries are ignored (the
+    variable only improves messages, it never changes a value)."""
+    found = {}
+    for entry in environ.get(SET_BY_ENV, "").split(";"):
+        var, _, rest = entry.partition("=")
+        value, bar, who = rest.partition("|")
+        if var.startswith(ENV_PREFIX) and bar and who.strip():
+            found[var] = (value, who.strip())
+    return found
+
+
 def origin(name: str, value: Any, source: str) -> str:
-    """``enable(tp_invariant=True)`` / ``MEGAPATCH_TP_INVARIANT=1`` / ``the default
-    tp_invariant=False``, and how to undo it: what a refusal says about an option's value."""
+    """``enable(tp_invariant=True)`` / ``MEGAPATCH_TP_INVARIANT=1`` / ``megapatch-run
+    --tp-invariant`` / ``the default tp_invariant=False``, and how to undo it: what a refusal says
+    about an option's value."""
     option = OPTIONS_BY_NAME[name]
     if source == "enable()":
         return f"enable({name}={value!r}); pass another {name} to enable() to change it"
     if source.startswith("env "):
         text = ("1" if value else "0") if option.kind == "boolean" else option.text(value)
+        _, _, who = source.partition(" set by ")
+        if who:
+            return f"{who}, which sets {option.env}={text}; remove it there to change it"
         return f"{option.env}={text} in the environment; unset {option.env} to change it"
     return f"the default {name}={value!r}"
 
@@ -317,6 +347,7 @@ def resolve(arguments: Mapping[str, Any], environ: Optional[Mapping[str, str]] =
     doctor`` and activation refuse the same values)."""
     environ = os.environ if environ is None else environ
     values, sources = {}, {}
+    recorded = _set_by(environ)
     for option in OPTIONS:
         explicit = arguments.get(option.name)
         if explicit is not None:
@@ -325,6 +356,9 @@ def resolve(arguments: Mapping[str, Any], environ: Optional[Mapping[str, str]] =
         elif option.env in environ:
             values[option.name] = option.parse(environ[option.env], option.env)
             sources[option.name] = f"env {option.env}"
+            value, who = recorded.get(option.env, (None, None))
+            if who and value == environ[option.env]:
+                sources[option.name] += f" set by {who}"
         else:
             values[option.name] = option.default
             sources[option.name] = "default"

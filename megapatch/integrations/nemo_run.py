@@ -81,7 +81,13 @@ def _options_of(self) -> Dict[str, Any]:
 
 
 def _setup(self, task, executor) -> None:
-    executor.env_vars.update(environment(self.options()))
+    values = environment(self.options())
+    executor.env_vars.update(values)
+    # messages on the ranks name the plugin field the user wrote, not only the variable
+    given = self.options()
+    who = {o.env: f"NeMo-Run MegapatchPlugin({o.name}={given[o.name]!r})" for o in _options.OPTIONS
+           if o.env in values}
+    executor.env_vars[_options.SET_BY_ENV] = _options.set_by(values, who, executor.env_vars)
 
 
 MegapatchPlugin = dataclasses.make_dataclass(
