@@ -24,6 +24,7 @@ PATCHES = (
         summary="publish this rank's settings and check its TP group at model-parallel initialisation",
         hook="megatron.core.parallel_state",
         applies=lambda s: True,
+        announces=True,
         targets=(Target("megatron.core.parallel_state", "initialize_model_parallel",
                         _initialize_model_parallel),),
     ),

@@ -67,10 +67,18 @@ def test_invalid_value_stops_only_processes_that_import_megatron():
 
 
 def test_disable_variable_wins_over_requests():
-    result = run_python("import megatron.core, megapatch; print(megapatch.status().active)",
-                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_DISABLE": "1"})
+    result = run_python("""
+        import megatron.core, megapatch
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import layers, mappings
+        from megapatch.core.wrappers import is_megapatch_wrapper
+        print(megapatch.status().active)
+        # the kill switch keeps only the publish-only hook (so peers fail fast, issue 19 item 12)
+        print(is_megapatch_wrapper(parallel_state.initialize_model_parallel),
+              is_megapatch_wrapper(mappings._reduce), is_megapatch_wrapper(layers.RowParallelLinear.forward))
+        """, env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_DISABLE": "1"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert result.stdout.strip().splitlines()[-2:] == ["[]", "True False False"]
 
 
 def test_explicit_enable_in_the_script_wins_over_the_environment():

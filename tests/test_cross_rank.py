@@ -139,14 +139,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_native_rank_is_named_at_once_in_the_megatron_lm_order():
+@pytest.mark.parametrize("peer, named", [
+    ({"MEGAPATCH_TP_REDUCE_DTYPE": "native"}, "rank 1 runs tp_reduce_dtype=native (this rank: fp32)"),
+    # issue 19 item 12: the kill switch on one rank of a job that asks for FP32 everywhere
+    ({"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_DISABLE": "1"},
+     "rank 1 has megapatch switched off by the kill switch MEGAPATCH_DISABLE"),
+])
+def test_a_native_or_switched_off_rank_is_named_at_once_in_the_megatron_lm_order(peer, named):
     script = os.path.join(REPO, "tests", "scripts", "megatron_lm_order_tp2.py")
     base = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
     base.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                 PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MEGAPATCH_CHECK_TIMEOUT="40")
     procs = []
-    for rank, mode in enumerate(("fp32", "native")):
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), MEGAPATCH_TP_REDUCE_DTYPE=mode)
+    for rank, variables in enumerate(({"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}, peer)):
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **variables)
         procs.append(subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, cwd=REPO))
     try:
@@ -160,7 +166,7 @@ def test_native_rank_is_named_at_once_in_the_megatron_lm_order():
     assert lines, out0[-3000:]
     seconds = float(lines[0].split()[2])
     assert "CrossRankMismatchError" in lines[0]
-    assert "rank 1 runs tp_reduce_dtype=native (this rank: fp32)" in lines[0]
+    assert named in lines[0]
     assert seconds < 20, lines[0]  # at model-parallel initialisation, not after the 40 s timeout
 
 
@@ -191,3 +197,105 @@ def test_data_parallel_replicas_with_different_settings_are_refused(modes):
     assert all(float(text.split()[2]) < 20 for text in refused), refused  # not the 60 s timeout
     assert run_ranks(_replicas, world_size=4, args=(["fp32"] * 4,), init_megatron=False,
                      timeout=120) == ["ok"] * 4
+
+
+# -- mutation-audit additions (results/mutation.md): the tp_invariant options are compared, a
+# -- reconfiguration forgets verified groups, and the helpers' own contracts ---------------------
+
+def _invariant_at_init(ctx, per_rank_settings):
+    """Settings set before megatron builds TP=2 (as MEGAPATCH_* variables would)."""
+    import megapatch
+    from megapatch.testing import reinit_model_parallel
+
+    megapatch.enable(**per_rank_settings[ctx.rank])
+    try:
+        reinit_model_parallel(ctx, tp=2)
+    except CrossRankMismatchError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.parametrize("settings,named", [
+    ([dict(tp_invariant=True), dict(logits_dtype="fp32")], "tp_invariant=False (this rank: True)"),
+    ([dict(tp_invariant=True), dict(tp_invariant=True, tp_invariant_width=16)],
+     "rank 1 runs tp_invariant_width=16 (this rank: 8)"),
+])
+def test_ranks_differing_in_tp_invariant_or_its_width_are_refused(settings, named):
+    """Both ranks ask for a change (neither is native), but not the same one: bitwise invariance on
+    one rank and not the other, or two widths (different trees), would silently break the result."""
+    out = run_ranks(_invariant_at_init, world_size=2, args=(settings,), init_megatron=False, timeout=120,
+                    env={"MEGAPATCH_CHECK_TIMEOUT": "60"})
+    assert "megapatch settings differ across tensor-parallel group [0, 1]" in out[0], out
+    assert named in out[0], out
+    assert run_ranks(_invariant_at_init, world_size=2, args=([settings[0]] * 2,), init_megatron=False,
+                     timeout=120) == ["ok", "ok"]
+
+
+def _reconfigure_mid_run(ctx):
+    """Both ranks reduce with fp32 (the group is verified), then rank 0 switches to fp32-accumulate
+    (another collective) and both reduce again: rank 0, which changed, must check the group again
+    and refuse (rank 1 kept its settings and goes ahead; its collective then fails or times out)."""
+    import megapatch
+    from megatron.core.tensor_parallel import mappings
+
+    megapatch.enable(tp_reduce_dtype="fp32")
+    x = torch.ones(8, dtype=torch.bfloat16)
+    first = _bounded(lambda: mappings.reduce_from_tensor_model_parallel_region(x.clone(), group=ctx.tp_group).tolist())
+    megapatch.enable(tp_reduce_dtype="fp32-accumulate" if ctx.rank == 0 else "fp32")
+    torch.distributed.barrier(group=ctx.tp_group)  # rank 0's new entry is published before either reduces
+    started = time.monotonic()
+    try:
+        _bounded(lambda: mappings.reduce_from_tensor_model_parallel_region(x.clone(), group=ctx.tp_group))
+    except CrossRankMismatchError as exc:
+        return first, f"refused after {time.monotonic() - started:.1f} s: {exc}"
+    except Exception as exc:  # noqa: BLE001 -- rank 1: its peer left the collective
+        return first, f"failed: {type(exc).__name__}"
+    return first, "reduced"
+
+
+def test_a_reconfiguration_to_other_settings_is_checked_again_not_hung():
+    out = run_ranks(_reconfigure_mid_run, world_size=2, tp=2, timeout=150, env={"MEGAPATCH_CHECK_TIMEOUT": "60"})
+    assert [first for first, _ in out] == [[2.0] * 8] * 2
+    second = out[0][1]
+    assert second.startswith("refused after"), out
+    assert "rank 1 runs tp_reduce_dtype=fp32 (this rank: fp32-accumulate)" in second, second
+    assert float(second.split()[2]) < 20, second  # the grace period, not a hang or the 60 s timeout
+
+
+def test_reconfigured_forgets_verified_groups_and_arms_the_first_call_check(monkeypatch):
+    from megapatch.core import cross_rank, options
+
+    monkeypatch.setattr(cross_rank, "_checked", {(0, 1)})
+    monkeypatch.setattr(cross_rank, "_checked_ids", {12345})
+    monkeypatch.setattr(cross_rank, "pending", False)
+    cross_rank.reconfigured(options.Settings(tp_reduce_dtype="fp32"))
+    assert cross_rank._checked == set() and cross_rank._checked_ids == set() and cross_rank.pending is True
+    cross_rank._checked.add((0, 1))
+    cross_rank.reconfigured(options.NATIVE)
+    assert cross_rank._checked == set() and cross_rank.pending is False
+
+
+def test_differences_name_each_differing_option_with_both_values():
+    from megapatch.core.cross_rank import _differences
+
+    mine = "megapatch 1.0: a=x;b=y;c=z"
+    assert _differences(mine, mine) == ""
+    assert _differences(mine, "megapatch 1.0: a=x;b=w;c=v") == "b=w (this rank: y), c=v (this rank: z)"
+    assert _differences(mine, "megapatch 2.0: a=x;b=y;c=z") == "megapatch version=2.0 (this rank: 1.0)"
+
+
+def test_job_check_reads_every_rank_on_rank_0_and_rank_0_elsewhere():
+    from megapatch.core.cross_rank import _job_ranks
+
+    class Dist:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def get_rank(self):
+            return self.rank
+
+        def get_world_size(self):
+            return 4
+
+    assert _job_ranks(Dist(0)) == (0, 1, 2, 3)
+    assert _job_ranks(Dist(2)) == (0, 2)

@@ -29,7 +29,7 @@ import time
 from typing import Dict, Optional
 
 from megapatch.core.errors import CrossRankMismatchError
-from megapatch.core.options import DISABLE_ENV, TIMEOUT_ENV
+from megapatch.core.options import DISABLE_ENV, TIMEOUT_ENV, disabled
 
 GRACE_S = 5.0
 _POLL_S = 0.05
@@ -67,7 +67,8 @@ def _asks_for_change(settings) -> bool:
 
 
 def _entry(settings) -> str:
-    return f"megapatch {_version()}: {settings.fingerprint()}"
+    switched_off = f" [kill switch {DISABLE_ENV} set]" if disabled() else ""
+    return f"megapatch {_version()}{switched_off}: {settings.fingerprint()}"
 
 
 def reconfigured(settings) -> None:
@@ -203,7 +204,9 @@ def _compare(dist, ranks, key_of, settings, grace: float, scope: str = "tp") -> 
             return
         if differ and elapsed >= min(grace, timeout):
             published = "; ".join(f"rank {r}: {v}" for r, v in seen.items() if v is not None)
-            diagnosis = "; ".join(f"rank {r} runs {_differences(mine, v)}" for r, v in differ.items())
+            diagnosis = "; ".join(
+                f"rank {r} has megapatch switched off by the kill switch {DISABLE_ENV}" if DISABLE_ENV in v
+                else f"rank {r} runs {_differences(mine, v)}" for r, v in differ.items())
             raise CrossRankMismatchError(
                 f"megapatch settings differ across {where}: {diagnosis} "
                 f"(this is rank {me}). Published: {published}. Every rank of a job must run "

@@ -29,6 +29,7 @@ _installed: Dict[str, List[wrappers.Installed]] = {}
 _skipped: Dict[str, str] = {}  # strict=False: the patch could not apply, upstream behaviour kept
 _failed: Dict[str, str] = {}  # strict: installing at import raised (the import failed)
 _hooked: set = set()
+_announcing: Dict[str, List[wrappers.Installed]] = {}  # kill switch: the publish-only patches
 
 
 def patches() -> tuple:
@@ -65,7 +66,9 @@ def enable(**arguments: Any) -> Status:
         if options.disabled():  # raises on a spelling that is neither true nor false
             warnings.warn(f"megapatch: {options.DISABLE_ENV} is set; enable() does nothing", stacklevel=2)
             disable()
+            announce_kill_switch()
             return status()
+        _stop_announcing()
         arguments = {**_explicit, **passed}
         settings, sources = resolve(arguments)
         report.warn_unknown_env_variables()
@@ -103,6 +106,7 @@ def disable() -> Status:
     Earlier ``enable()`` arguments are forgotten."""
     global _enabled, _explicit
     with _lock:
+        _stop_announcing()
         for patch in reversed(patches()):
             if patch.name in _installed:
                 _uninstall(patch)
@@ -115,6 +119,39 @@ def disable() -> Status:
         if was_enabled:
             cross_rank.reconfigured(options.NATIVE)
         return status()
+
+
+def announce_kill_switch() -> None:
+    """The kill switch met a request (``MEGAPATCH_*`` variables or an ``enable()`` call): install
+    nothing that changes upstream behaviour, only the patches marked ``announces`` (they publish
+    this rank's settings, the kill switch included), so that a peer asking for a change fails in
+    seconds naming the kill switch instead of waiting out its check timeout."""
+    with _lock:
+        for patch in patches():
+            if patch.announces and patch.hook not in _announce_hooked:
+                _announce_hooked.add(patch.hook)
+                wrapt.register_post_import_hook(_announce_on_import, patch.hook)
+
+
+_announce_hooked: set = set()
+
+
+def _announce_on_import(module) -> None:
+    with _lock:
+        if _enabled or not options.disabled():
+            return
+        for patch in patches():
+            if patch.announces and patch.hook == module.__name__ and patch.name not in _announcing:
+                if _incompatibilities(patch):  # upstream moved: the peers' timeout message still says why
+                    continue
+                _announcing[patch.name] = [wrappers.install(t, patch.name) for t in patch.targets
+                                           if not t.optional or surface.present(t)]
+
+
+def _stop_announcing() -> None:
+    for name in list(_announcing):
+        for item in reversed(_announcing.pop(name)):
+            wrappers.uninstall(item)
 
 
 def is_enabled() -> bool:

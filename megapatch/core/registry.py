@@ -57,9 +57,12 @@ class Patch:
     ``guarantee``: the option's promise needs this patch (``tp_invariant``'s bits): opting out of
     it while the option asks for a change is refused.
     ``preflight`` (optional): given the model a job will build -- an object with megatron-core
-    config field names as attributes (plus ``transformer_impl`` and ``use_distributed_optimizer``),
+    config field names as attributes (plus ``transformer_impl``, ``use_distributed_optimizer`` and
+    ``num_distributed_optimizer_instances``),
     as ``megapatch doctor -- <Megatron-LM flags>`` derives it -- the reason this patch would refuse
     it, or ``None``; the patch's own construction-time check must say the same.
+    ``announces``: the patch only publishes this rank's settings (no upstream behaviour changes);
+    it is kept under the kill switch, so that peers learn at once that megapatch is off here.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Patch:
     supports: Mapping[str, str] = dataclasses.field(default_factory=dict)
     guarantee: bool = False
     preflight: Optional[Callable[[object], Optional[str]]] = None
+    announces: bool = False
 
 
 def discover() -> Tuple[Patch, ...]:

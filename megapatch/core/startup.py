@@ -73,7 +73,15 @@ def arm() -> None:
     from megapatch.core import options, report
 
     report.warn_unknown_env_variables()  # logged once per name; enable() calls it too
-    if options.disabled() or not options.env_requests():  # disabled() validates the spelling
+    if options.disabled() and options.env_requests():  # disabled() validates the spelling
+        _armed = True
+        try:
+            from megapatch.core import engine
+        except ImportError:  # wrapt missing: the kill switch still works, peers time out instead
+            return
+        engine.announce_kill_switch()  # nothing changes upstream; peers learn megapatch is off here
+        return
+    if not options.env_requests():
         _armed = True
         return
     try:
