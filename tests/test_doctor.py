@@ -200,12 +200,13 @@ def test_doctor_with_flags_the_mode_covers_says_so():
 
 def test_doctor_with_flags_names_every_refusal_its_flag_and_the_source():
     flags = LOCAL[:6] + ["--sequence-parallel", "--use-distributed-optimizer",
+                         "--num-distributed-optimizer-instances", "2",
                          "--group-query-attention", "--num-query-groups", "1"]  # Megatron-LM's fusions on by default
     result = _cli(["doctor", "--", *flags], env={"MEGAPATCH_TP_INVARIANT": "1"})
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
     for expected in ("--sequence-parallel", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
-                     "--num-query-groups", "--use-distributed-optimizer", "from env MEGAPATCH_TP_INVARIANT"):
+                     "--num-query-groups", "--num-distributed-optimizer-instances", "from env MEGAPATCH_TP_INVARIANT"):
         assert expected in out, expected
     assert "would be refused before its first step by tp_invariant.construction, " \
            "tp_invariant.distributed_optimizer" in out

@@ -33,7 +33,8 @@ def _int(argv: Sequence[str], flag: str, default: Optional[int]) -> Optional[int
 
 
 def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
-    """The config fields (and ``transformer_impl``, ``use_distributed_optimizer``) a Megatron-LM
+    """The config fields (and ``transformer_impl``, ``use_distributed_optimizer``,
+    ``num_distributed_optimizer_instances``) a Megatron-LM
     job started with ``argv`` builds its model and optimizer with."""
     flags = set(a.split("=", 1)[0] for a in argv)
     swiglu = "--swiglu" in flags
@@ -46,6 +47,7 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         num_query_groups=_int(argv, "--num-query-groups", 1) if "--group-query-attention" in flags else None,
         gated_linear_unit=swiglu,
         sequence_parallel="--sequence-parallel" in flags,
+        qk_layernorm="--qk-layernorm" in flags,
         gradient_accumulation_fusion="--no-gradient-accumulation-fusion" not in flags,
         bias_activation_fusion=("--no-bias-swiglu-fusion" if swiglu else "--no-bias-gelu-fusion") not in flags,
         use_te_activation_func="--use-te-activation-func" in flags,
@@ -53,6 +55,7 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         num_moe_experts=_int(argv, "--num-experts", None),
         transformer_impl=_value(argv, "--transformer-impl") or "transformer_engine",
         use_distributed_optimizer="--use-distributed-optimizer" in flags,
+        num_distributed_optimizer_instances=_int(argv, "--num-distributed-optimizer-instances", 1),
     )
     if heads is None:
         fields["num_attention_heads"] = fields["num_query_groups"] or 1

@@ -247,6 +247,103 @@ class RowParallel(torch.autograd.Function):
         return dgrad, wgrad, None, None
 
 
+def _own_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/t of ``x`` along dim 0 (the sequence), as a tensor of its own."""
+    rows = x.shape[0] // group_size(group)
+    rank = group.rank()
+    return x[rank * rows:(rank + 1) * rows].contiguous()
+
+
+class GatherSequence(torch.autograd.Function):
+    """The sequence-parallel input of a column-parallel layer, all-gathered along the sequence
+    (dim 0; exact). Backward: the gradient arriving here is already the fixed-tree TP sum (the same
+    on every rank, ``ColumnParallel`` with ``reduce_dgrad``), so this rank's slice of it is taken
+    where upstream's reduce-scatter would add the TP partials in its own order."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t = group_size(group)
+        out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_rows(grad, ctx.group), None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """The sequence-parallel output of a row-parallel layer: its fixed-tree TP sum (the same on
+    every rank) sliced to this rank's part of the sequence (exact). Backward: the slices'
+    gradients all-gathered (exact)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GatherSequence.forward(ctx, grad, ctx.group), None
+
+
+def _token_tree(grad: torch.Tensor, factor: Optional[torch.Tensor], group, nb: int,
+                split: bool) -> torch.Tensor:
+    """sum over tokens of ``grad`` (times ``factor``) per feature, as ``nb`` blocks of consecutive
+    sequence positions (rows of the [s, b, h] layout flattened to [s * b, h]) with FP32 sums, added
+    in the fixed tree -- across ``group`` when ``split`` (sequence parallelism: this rank's tokens
+    are W/t consecutive blocks). With ``split`` rank 0 returns the total and the others zeros:
+    upstream all-reduces sequence-parallel gradients over TP, and one value plus zeros is exact."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    f2 = None if factor is None else factor.reshape(-1, factor.shape[-1])
+    parts = []
+    for sl in _slices(g2.shape[0], nb):
+        block = f32(g2[sl]) if f2 is None else f32(g2[sl]) * f32(f2[sl])
+        parts.append(block.sum(dim=0))
+    total = invariant_sum(parts, group if split else None)
+    if split and group.rank() != 0:
+        total = torch.zeros_like(total)
+    return total
+
+
+class TokenBlockedAffine(torch.autograd.Function):
+    """A norm layer's affine part, ``normalised * weight (+ bias)`` in FP32 rounded once to
+    ``out_dtype`` (``normalised``: the FP32 output of the norm without affine). The weight and bias
+    gradients, sums over tokens, follow ``_token_tree``; the gradient of ``normalised`` is per token."""
+
+    @staticmethod
+    def forward(ctx, normalised, weight, bias, group, nb, split, out_dtype):
+        ctx.save_for_backward(normalised, weight)
+        ctx.has_bias, ctx.group, ctx.nb, ctx.split = bias is not None, group, nb, split
+        out = normalised * weight.float()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        normalised, weight = ctx.saved_tensors
+        dnormalised = grad.float() * weight.float() if ctx.needs_input_grad[0] else None
+        dweight = _token_tree(grad, normalised, ctx.group, ctx.nb, ctx.split).to(weight.dtype)
+        dbias = _token_tree(grad, None, ctx.group, ctx.nb, ctx.split).to(weight.dtype) if ctx.has_bias else None
+        return dnormalised, dweight, dbias, None, None, None, None
+
+
+class TokenBlockedBias(torch.autograd.Function):
+    """A row-parallel layer's bias expanded to the output's shape (the same values a broadcast add
+    reads); its gradient, a sum over tokens, follows ``_token_tree``."""
+
+    @staticmethod
+    def forward(ctx, bias, shape, group, nb, split):
+        ctx.group, ctx.nb, ctx.split, ctx.dtype = group, nb, split, bias.dtype
+        return bias.expand(shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _token_tree(grad, None, ctx.group, ctx.nb, ctx.split).to(ctx.dtype), None, None, None, None
+
+
 def sum_exp_partials(exp_logits: torch.Tensor, nb: int) -> List[torch.Tensor]:
     """Per-block FP32 sums over the vocab shard's last dim (W/t blocks of V/W)."""
     e2 = exp_logits.reshape(-1, exp_logits.shape[-1])
@@ -254,13 +351,16 @@ def sum_exp_partials(exp_logits: torch.Tensor, nb: int) -> List[torch.Tensor]:
 
 
 def squared_norms(grads: Sequence[torch.Tensor], partition_dims: Sequence[Optional[int]],
-                  group) -> torch.Tensor:
+                  group, halves: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Sum of squares of each (possibly TP-sharded) gradient, the same at every TP size, as one
     FP32 vector.
 
     Sharded (partition dim given): W blocks along the partition dim, one fixed tree across the
-    group (one all-gather for all of them). Replicated (``None``): one FP32 sum of the whole
-    tensor, computed alike by every rank."""
+    group (one all-gather for all of them). ``halves[i] == 2``: a gated fc1's gradient, rank r
+    holding [gate_r; up_r] along the partition dim -- each half cut into W blocks and gate block k
+    paired with up block k at the leaves, as ``column_blocks`` orders them (blocks cut across the
+    local rows would mix gate and up differently at each TP size). Replicated (``None``): one FP32
+    sum of the whole tensor, computed alike by every rank."""
     nb = blocks_per_rank(group)
     totals = torch.zeros(len(grads), dtype=torch.float32)
     blocks = []  # per sharded gradient: its W/t block sums
@@ -270,12 +370,15 @@ def squared_norms(grads: Sequence[torch.Tensor], partition_dims: Sequence[Option
             g = f32(grad)
             totals[i] = (g * g).sum().cpu()
             continue
-        size = check_divisible(f"a gradient of shape {tuple(grad.shape)} (partition dim {dim})",
-                               grad.shape[dim] * group_size(group), grad.shape[dim], group)
+        split = halves[i] if halves else 1
+        rows = grad.shape[dim] // split
+        size = check_divisible(f"a gradient of shape {tuple(grad.shape)} (partition dim {dim}"
+                               + (", each of gate and up)" if split == 2 else ")"),
+                               rows * group_size(group), rows, group)
         sums = []
         for b in range(nb):
-            g = f32(grad.narrow(dim, b * size, size))
-            sums.append((g * g).sum().cpu())
+            leaves = [f32(grad.narrow(dim, h * rows + b * size, size)) for h in range(split)]
+            sums.append(tree_sum([(g * g).sum() for g in leaves]).cpu())
         blocks.append(torch.stack(sums))
         sharded.append(i)
     if sharded:

@@ -10,6 +10,9 @@ Contract of :func:`cpu_workarounds`:
   block exits.
 * It never changes numerics: tensors are allocated on CPU with the dtype and
   shape megatron asked for, and no upstream function under test is replaced.
+  One entry is a stand-in rather than a redirect, labelled ``(stand-in)``: with
+  ``--sequence-parallel`` upstream needs apex's or TE's norms, so a torch norm is
+  built instead, honouring their sequence-parallel gradient contract.
   The workarounds act on torch's CUDA entry points and on the RNG tracker, so
   patches applied to megatron functions (e.g. ``tensor_parallel.mappings``)
   by other code still run the upstream bodies.  The one wrapped megatron
@@ -172,6 +175,27 @@ def _guard_batched_p2p(original):
     return _batched_p2p_ops
 
 
+def _sequence_parallel_torch_norm(original):
+    # WrappedTorchNorm (the local spec's norm without apex) asserts `not config.sequence_parallel`:
+    # torch's norms have no sequence-parallel variant upstream, apex's FusedLayerNorm and TE's
+    # norms do. Stand-in: the same torch norm, its parameters marked `sequence_parallel` as
+    # FusedLayerNorm marks them, so that finalize_model_grads all-reduces their gradients over TP
+    # (upstream's contract for a norm on sequence-split tokens). Without SP: the original call.
+    def __new__(cls, config, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original(cls, config, *args, **kwargs)
+        config.sequence_parallel = False  # only around the assert; the config object is restored
+        try:
+            module = original(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in module.parameters():
+            setattr(param, "sequence_parallel", True)
+        return module
+
+    return staticmethod(__new__)
+
+
 WORKAROUNDS: Tuple[Workaround, ...] = (
     Workaround(
         "torch.cuda",
@@ -208,6 +232,14 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
         "CudaRNGStatesTracker.add",
         "torch.cuda.get_rng_state()/torch.cuda.manual_seed() in CudaRNGStatesTracker.add",
         _cpu_tracker_add,
+    ),
+    Workaround(
+        "megatron.core.transformer.torch_norm",
+        "WrappedTorchNorm.__new__",
+        "(stand-in) apex FusedLayerNorm / TE norms, the norms upstream builds for --sequence-parallel: "
+        "a torch norm whose parameters are marked sequence_parallel, as FusedLayerNorm marks them",
+        _sequence_parallel_torch_norm,
+        optional=True,
     ),
     Workaround(
         "megatron.core.pipeline_parallel.p2p_communication",

@@ -2,7 +2,8 @@
 megatron's vocab-parallel cross entropy (the loss of Megatron-LM's ``loss_func``).
 
 Each call appends ``{"dtype": <logits dtype>, "loss": <sha256 of the per-token losses>}`` to
-``$MEGATRON_LM_PROBE_DIR/rank<RANK>.jsonl``. It only reads tensors; numerics are unchanged.
+``$MEGATRON_LM_PROBE_DIR/rank<RANK>.jsonl``, and each clipped step its total grad norm to
+``norms-rank<RANK>.jsonl``. It only reads tensors; numerics are unchanged.
 """
 
 import hashlib
@@ -29,7 +30,22 @@ def _record_cross_entropy(module):
     cls.forward = staticmethod(forward)
 
 
+def _record_grad_norm(module):
+    """The total grad norm where clipping reads it, at full precision (the log prints 3 decimals),
+    to ``norms-rank<RANK>.jsonl``."""
+    original = module.clip_grad_by_total_norm_fp32
+
+    def clip(parameters, max_norm, total_norm, *args, **kwargs):
+        with open(NORMS, "a") as out:
+            out.write(json.dumps({"grad_norm": float(total_norm).hex()}) + "\n")
+        return original(parameters, max_norm, total_norm, *args, **kwargs)
+
+    module.clip_grad_by_total_norm_fp32 = clip  # the name optimizer.py calls
+
+
+NORMS = os.path.join(os.environ["MEGATRON_LM_PROBE_DIR"], f"norms-rank{os.environ.get('RANK', '0')}.jsonl")
 wrapt.register_post_import_hook(_record_cross_entropy, "megatron.core.tensor_parallel.cross_entropy")
+wrapt.register_post_import_hook(_record_grad_norm, "megatron.core.optimizer.optimizer")
 
 from megapatch.testing.cpu_launch import main  # noqa: E402
 
