@@ -22,6 +22,16 @@ def _megapatch_off_around_each_test(monkeypatch):
     megapatch.disable()
 
 
+def surface_refusals(prefix: str) -> tuple:
+    """Why the installed upstream cannot take the patches named ``prefix``* (the reasons `megapatch
+    doctor` shows as INCOMPATIBLE); empty where it can. The version matrix runs each patch's tests
+    on every pinned version: where this is not empty they skip with it and the refusal is tested."""
+    from megapatch.core import engine
+
+    return tuple(f"{p.name}: {reason}" for p in engine.patches() if p.name.startswith(prefix)
+                 for reason in engine.check(p))
+
+
 def run_python(code: str, env: dict = None, timeout: int = 180) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (clean MEGAPATCH_* environment plus ``env``)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}

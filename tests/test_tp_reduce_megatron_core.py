@@ -6,9 +6,13 @@ exact integer sums; all-gather + plain FP32 matmul; an FP32 TP=1 model with the 
 Reductions run at TP=4 and at TP=2 x DP=2 (world 4), on sizes not divisible by TP.
 """
 
+import functools
+import re
+
 import pytest
 import torch
 
+from conftest import surface_refusals
 from megapatch.testing import run_ranks
 from reduction_oracles import partial as _partial, rank_order_sum as _oracle
 
@@ -121,8 +125,33 @@ def _every_reduction_path(ctx):
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def _cannot_take_fp32_reductions() -> tuple:
+    return surface_refusals("tp_reduce.megatron_core")
+
+
+def _needs_fp32_reductions():
+    if _cannot_take_fp32_reductions():
+        pytest.skip("this megatron-core cannot take FP32 TP reductions (the refusal is tested instead): "
+                    + "; ".join(_cannot_take_fp32_reductions()))
+
+
+def test_fp32_reductions_on_a_megatron_core_that_cannot_take_them_are_refused():
+    """The version matrix's oldest cell (megatron-core 0.12.3: ``_reduce(input_)`` has no group)."""
+    import megapatch
+    from megapatch.core.errors import UpstreamSurfaceError
+
+    if not _cannot_take_fp32_reductions():
+        pytest.skip("this megatron-core can take FP32 TP reductions: the tests of the mode run instead")
+    first = _cannot_take_fp32_reductions()[0]
+    with pytest.raises(UpstreamSurfaceError, match=re.escape(first.partition(": ")[2])):
+        megapatch.enable(tp_reduce_dtype="fp32")
+    assert not megapatch.is_enabled()
+
+
 @pytest.fixture(scope="module")
 def reduction_paths():
+    _needs_fp32_reductions()
     return run_ranks(_every_reduction_path, world_size=4, tp=4, timeout=300)
 
 
@@ -194,6 +223,7 @@ def _row_parallel_vs_oracle(ctx, mode, k_total=512, n_out=16, tokens=6):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_row_parallel_hands_its_fp32_accumulator_to_the_reduction(tp):
+    _needs_fp32_reductions()
     native = run_ranks(_row_parallel_vs_oracle, world_size=tp, tp=tp, args=("native",))
     fp32 = run_ranks(_row_parallel_vs_oracle, world_size=tp, tp=tp, args=("fp32",))
     for rank in range(tp):
@@ -257,6 +287,7 @@ def _tiny_gpt_step(ctx, mode, sequence_parallel, enable_then_disable=False):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_disabled_megapatch_is_bit_identical_to_stock(sequence_parallel):
+    _needs_fp32_reductions()  # it enables them, then disables
     stock = run_ranks(_tiny_gpt_step, world_size=2, tp=2, args=("native", sequence_parallel))
     toggled = run_ranks(_tiny_gpt_step, world_size=2, tp=2, args=("native", sequence_parallel, True))
     for a, b in zip(stock, toggled):
@@ -300,3 +331,41 @@ def test_fp32_reductions_bring_tiny_gpt_closer_to_fp32_reference(tp, sequence_pa
         assert all(row_oracle["fp32-accumulate"]), row_oracle
         if tp > 2:  # the oracle can fail: four partials summed in BF16 miss it
             assert not all(row_oracle["native"]), row_oracle
+
+
+# -- mutation-audit additions (results/mutation.md) ----------------------------------------------
+
+def test_only_the_tp_layers_reduce_scatter_is_wrapped_not_torchs_function_elsewhere():
+    """``layers.dist_reduce_scatter_func`` *is* torch's ``reduce_scatter_tensor``: the patch wraps
+    that one module global, never the same object held by the data-parallel gradient buffer (whose
+    reduce-scatter is not a TP reduction) or by torch itself."""
+    import megapatch
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.tensor_parallel import layers, mappings
+
+    original = torch.distributed.reduce_scatter_tensor
+    assert layers.dist_reduce_scatter_func is original  # the precondition that makes aliases matter
+    megapatch.enable(tp_reduce_dtype="fp32")
+    try:
+        assert layers.dist_reduce_scatter_func is not original
+        assert layers.dist_reduce_scatter_func.__wrapped__ is original
+        assert param_and_grad_buffer.dist_reduce_scatter_func is original
+        assert mappings.dist_reduce_scatter_func is original
+        assert torch.distributed.reduce_scatter_tensor is original
+    finally:
+        megapatch.disable()
+    assert layers.dist_reduce_scatter_func is original
+
+
+@pytest.mark.parametrize("mode,backend", [("fp32", "fp32 wire, FP32 row-parallel accumulator ("),
+                                          ("fp32-accumulate", "activation-dtype wire, FP32 local accumulation")])
+def test_status_names_the_wire_and_accumulator_of_each_mode(mode, backend):
+    import megapatch
+    from megapatch.core import engine
+
+    megapatch.enable(tp_reduce_dtype=mode)
+    try:
+        patch = next(p for p in engine.patches() if p.name == "tp_reduce.megatron_core")
+        assert patch.backend().startswith(backend), patch.backend()
+    finally:
+        megapatch.disable()
