@@ -332,3 +332,30 @@ def _frozen_head(ctx):
 def test_frozen_output_weight_keeps_the_gradient_contract():
     for dtype, identical in run_ranks(_frozen_head, world_size=2, tp=2):
         assert dtype == "torch.float32" and identical
+
+
+# -- mutation-audit additions (results/mutation.md) ----------------------------------------------
+
+def test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_it(monkeypatch):
+    """Where megatron-core has PR #6252's ColumnParallelLinear.output_dtype, megapatch computes the
+    FP32 logits itself: the layer's own output_dtype is None during the call (else upstream returns
+    its FP32 view, which megatron's cross entropy modifies in place) and restored afterwards. A
+    layer without the attribute (megatron-core 0.16.1) is left without it."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megapatch.core import options, state
+    from megapatch.patches import logits
+
+    monkeypatch.setattr(state, "_current", options.Settings(logits_dtype="fp32"))
+    native = object.__new__(ColumnParallelLinear)  # the attributes lm_head reads, no process group
+    torch.nn.Module.__init__(native)
+    native.output_dtype, native._megapatch_expect_call = torch.float32, False
+    with logits.lm_head(native):
+        assert native.output_dtype is None
+    assert native.output_dtype is torch.float32
+    older = object.__new__(ColumnParallelLinear)
+    torch.nn.Module.__init__(older)
+    older._megapatch_expect_call = False
+    with logits.lm_head(older):
+        assert not hasattr(older, "output_dtype")
+    assert not hasattr(older, "output_dtype")

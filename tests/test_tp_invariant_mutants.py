@@ -1,0 +1,561 @@
+"""``tp_invariant`` arithmetic and wrappers against independent oracles, on planted values (the
+mutation audit's survivors, results/mutation.md).
+
+The 8-rank job of tests/test_tp_invariant.py compares every TP size with TP=1, so a bug that
+changes TP=1 the same way (a block that skips its last row, a wrong tree at the top) stays
+invisible there. These tests compare the block arithmetic with a tree written here
+(``_tree``: halves, recursively) over block sums that are exact, on values whose FP32 sum depends
+on the association (+-2^24 with small integers), placed so every row and block position matters.
+One 4-rank job runs TP=2 with two data-parallel replicas holding different values (a sum over the
+wrong group is caught) and sizes that TP does not divide.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megapatch.testing import run_ranks
+
+W = 8
+BIG = 2.0 ** 24
+PLANTED = (BIG, -BIG, 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
+
+
+def _tree(parts):
+    """Independent oracle of the fixed tree: the sum of the first half plus that of the second."""
+    parts = list(parts)
+    if len(parts) == 1:
+        return parts[0]
+    half = len(parts) // 2
+    return _tree(parts[:half]) + _tree(parts[half:])
+
+
+def _planted(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.tensor(PLANTED)[torch.randint(0, len(PLANTED), shape, generator=generator)]
+
+
+def _signs(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
+
+
+def _small(shape, seed):
+    """Small integers (exact sums in any order), position-dependent."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=generator).float()
+
+
+def _norm_grad(dim):
+    """A [16, 3] (dim 0) or [3, 16] (dim 1) gradient: 8 blocks of 2 along ``dim``. Block sums of
+    squares are exact, but their FP32 total depends on the association: block 0 squares to 2^24,
+    block 1 to 1 (lost against 2^24 alone), blocks 2 and 3 to 1 each (kept when added first). The
+    non-zero values sit in each block's last row, and block 4 also has one in its first row."""
+    g = torch.zeros(16, 3)
+    g[1, 0] = 4096.0     # block 0, last row: 2^24
+    g[3, 2] = 1.0        # block 1, last row
+    g[5, 1] = -1.0       # block 2, last row
+    g[7, 0] = 1.0        # block 3, last row
+    g[8, 1] = 2.0        # block 4, first row
+    g[11, 2] = 3.0       # block 5, last row
+    g[15, 0] = -2.0      # block 7, last row
+    return g if dim == 0 else g.t().contiguous()
+
+
+def _norm_oracle(full, dim):
+    blocks = full.split(2, dim=dim)
+    sums = [torch.tensor(float(sum(v * v for v in b.flatten().tolist())), dtype=torch.float32) for b in blocks]
+    return _tree(sums)
+
+
+@pytest.fixture
+def invariant(monkeypatch):
+    from megapatch.core import options, state
+
+    monkeypatch.setattr(state, "_current", options.Settings(tp_invariant=True, tp_invariant_width=W))
+    monkeypatch.setattr(state, "_sources", {"tp_invariant": "enable()", "tp_invariant_width": "enable()"})
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+# -- block arithmetic at TP=1 (no ranks) --------------------------------------------------------
+
+def test_squared_norms_are_the_fixed_tree_of_every_rows_block_sums(invariant):
+    from megapatch.numerics.block_tree import squared_norms
+
+    replicated = _small((5, 3), 9)
+    got = squared_norms([_norm_grad(0), replicated, _norm_grad(1)], [0, None, 1], None)
+    want = torch.stack([_norm_oracle(_norm_grad(0), 0), (replicated * replicated).sum(),
+                        _norm_oracle(_norm_grad(1), 1)])
+    assert got.dtype == torch.float32 and torch.equal(got, want), (got.tolist(), want.tolist())
+    # the planted values make the association visible: adding the blocks in order loses the ones
+    assert _norm_oracle(_norm_grad(0), 0) == BIG + 4 + 16
+    assert sum(torch.tensor(float(v)) for v in (BIG, 1, 1, 1, 4, 9, 0, 4)) != BIG + 4 + 16
+
+
+def test_column_parallel_blocks_match_the_oracle(invariant):
+    """Forward: one GEMM per block of output features (+ bias), rounded once; dgrad: the tree of
+    the blocks' [M, N/W] x [N/W, K] partials; wgrad and bias grad per block."""
+    from megapatch.numerics.block_tree import ColumnParallel
+
+    x = _small((3, 2, 4), 1).bfloat16().requires_grad_()
+    weight = _small((16, 4), 2).bfloat16().requires_grad_()  # small: the forward sums are exact
+    bias = _small((16,), 3).bfloat16().requires_grad_()
+    out = ColumnParallel.apply(x, weight, bias, None, False, W, None, 1)
+    want = x.detach().float() @ weight.detach().float().t() + bias.detach().float()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
+    grad = _small((3, 2, 16), 4)
+    out.backward(grad.bfloat16())
+    g2, x2 = grad.reshape(-1, 16), x.detach().float().reshape(-1, 4)
+    assert torch.equal(weight.grad, (g2.t() @ x2).bfloat16())
+    assert torch.equal(bias.grad, g2.sum(0).bfloat16())
+    # dgrad on planted weights, where the association shows (an FP32 input: an FP32 dgrad)
+    x = torch.ones(3, 2, 4, dtype=torch.float32, requires_grad=True)
+    planted = _planted((16, 4), 5).bfloat16()
+    grad = _signs((3, 2, 16), 6)
+    ColumnParallel.apply(x, planted, None, None, False, W, None, 1).backward(grad.bfloat16())
+    products = grad[..., :, None] * planted.float()[None, None]  # [3, 2, N, K]
+    dgrad = _tree([products[..., 2 * b, :] + products[..., 2 * b + 1, :] for b in range(W)])
+    assert torch.equal(x.grad, dgrad), "dgrad is not the fixed tree of the 8 blocks"
+    assert not torch.equal(dgrad, products.sum(-2))
+    x, weight = x.detach(), weight.detach()
+    fp32 = ColumnParallel.apply(x.detach(), weight.detach(), None, None, False, W, torch.float32, 1)
+    assert fp32.dtype == torch.float32 and torch.equal(fp32, x.detach().float() @ weight.detach().float().t())
+
+
+def test_gated_column_parallel_pairs_gate_and_up_rows_in_the_tree(invariant):
+    """halves=2 (SwiGLU fc1 [gate; up]): the tree's leaves are gate row b then up row b."""
+    from megapatch.numerics.block_tree import ColumnParallel
+
+    x = torch.tensor([[1.0, 0, 0, 0], [0, 0, 1, 0]], requires_grad=True)  # FP32: an FP32 dgrad
+    weight = _planted((16, 4), 7).bfloat16()
+    out = ColumnParallel.apply(x, weight, None, None, False, W, None, 2)  # one product per output
+    assert torch.equal(out, x.detach() @ weight.float().t())
+    grad = _signs((2, 16), 8)
+    out.backward(grad)
+    leaves = [grad[:, r, None] * weight.float()[r] for b in range(W) for r in (b, W + b)]
+    assert torch.equal(x.grad, _tree(leaves))
+    assert not torch.equal(_tree(leaves), _tree([grad[:, r, None] * weight.float()[r] for r in range(16)]))
+
+
+def test_row_parallel_forward_is_the_fixed_tree_and_its_grads_are_per_block(invariant):
+    from megapatch.numerics.block_tree import RowParallel
+
+    x = _signs((3, 2, 16), 11).requires_grad_()  # [S, B, K]; FP32: the tree's result unrounded
+    weight = _planted((2, 16), 12).bfloat16().requires_grad_()
+    out = RowParallel.apply(x, weight, None, W)
+    products = x.detach()[..., None, :] * weight.detach().float()[None, None]  # [S, B, N, K]
+    want = _tree([products[..., 2 * b] + products[..., 2 * b + 1] for b in range(W)])
+    assert torch.equal(out, want)
+    assert not torch.equal(want, products.sum(-1))  # the association matters on these values
+    grad = _small((3, 2, 2), 13)
+    out.backward(grad)
+    assert torch.equal(x.grad, grad @ weight.detach().float())
+    assert torch.equal(weight.grad, (grad.reshape(-1, 2).t() @ x.detach().reshape(-1, 16)).bfloat16())
+
+
+def test_sum_exp_partials_are_per_block_fp32_sums(invariant):
+    from megapatch.numerics.block_tree import invariant_sum, sum_exp_partials
+
+    e = _small((2, 3, 16), 14).abs().bfloat16()
+    parts = sum_exp_partials(e, W)
+    assert len(parts) == W
+    for b, part in enumerate(parts):
+        assert part.dtype == torch.float32 and torch.equal(part, e.float().reshape(6, 16)[:, 2 * b:2 * b + 2].sum(-1))
+    planted = [torch.tensor([v]) for v in (BIG, 1.0, 1.0, 1.0, -BIG, 3.0, 1.0, 1.0)]
+    assert torch.equal(invariant_sum(planted, None, torch.bfloat16), _tree(planted).bfloat16())
+    assert invariant_sum(planted, None, torch.bfloat16).dtype == torch.bfloat16
+
+
+# -- the patch's own decisions (no ranks) --------------------------------------------------------
+
+def _config(**overrides):
+    fields = dict(qk_layernorm=False, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                  use_te_activation_func=False, defer_embedding_wgrad_compute=False, num_moe_experts=None,
+                  tensor_model_parallel_size=2, num_query_groups=None, num_attention_heads=4,
+                  transformer_impl="local", gated_linear_unit=False)
+    return SimpleNamespace(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("qk_layernorm", True, "--qk-layernorm"),
+    ("gradient_accumulation_fusion", True, "--no-gradient-accumulation-fusion"),
+    ("bias_activation_fusion", True, "--no-bias-swiglu-fusion"),
+    ("use_te_activation_func", True, "--use-te-activation-func"),
+    ("defer_embedding_wgrad_compute", True, "--defer-embedding-wgrad-compute"),
+    ("num_moe_experts", 4, "--num-experts"),
+    ("num_query_groups", 1, "--num-query-groups"),
+])
+def test_each_uncovered_config_field_is_refused_alone(invariant, field, value, flag):
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    assert patch._config_refusals(_config()) == [] and patch._preflight_model(_config()) is None
+    refusals = patch._config_refusals(_config(**{field: value}))
+    assert len(refusals) == 1 and field in refusals[0][0] and flag in refusals[0][0], refusals
+    with pytest.raises(UnsupportedConfigurationError, match=f"does not support {field}"):
+        patch._check_config(_config(**{field: value}))
+    assert flag in patch._preflight_model(_config(**{field: value}))
+
+
+def test_kv_groups_equal_to_the_tp_size_and_heads_as_groups_are_accepted(invariant):
+    from megapatch.patches import tp_invariant as patch
+
+    assert patch._config_refusals(_config(num_query_groups=2, tensor_model_parallel_size=2)) == []
+    assert patch._config_refusals(_config(num_attention_heads=2, tensor_model_parallel_size=2)) == []
+    assert patch._config_refusals(_config(num_attention_heads=1, tensor_model_parallel_size=2))
+    assert "--transformer-impl local" in patch._preflight_model(_config(transformer_impl="transformer_engine"))
+    assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=False)) is None
+    assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=True)) is None  # covered
+    assert "--num-distributed-optimizer-instances" in patch._preflight_optimizer(
+        SimpleNamespace(use_distributed_optimizer=True, num_distributed_optimizer_instances=2))
+
+
+class _Recorder:
+    def __init__(self):
+        self.marked = "unset"
+
+    def __call__(self, *args, **kwargs):
+        from megapatch.patches import tp_invariant as patch
+
+        self.marked = patch._gated_fc1.get()
+        return "upstream"
+
+
+class _Layer:
+    pass
+
+
+def _mlp(**config):
+    return SimpleNamespace(config=_config(**config), linear_fc1=_Layer(), linear_fc2=_Layer())
+
+
+def test_the_mlp_marks_only_a_gated_fc1_and_refuses_what_it_cannot_cover(invariant):
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    for gated in (True, False):
+        mlp, upstream = _mlp(gated_linear_unit=gated), _Recorder()
+        assert patch._mlp_forward(upstream, mlp, (), {}) == "upstream"
+        assert upstream.marked is (mlp.linear_fc1 if gated else None), gated
+    assert patch._gated_fc1.get() is None  # the mark ends with the call
+    for field in ("use_te_activation_func", "bias_activation_fusion"):
+        with pytest.raises(UnsupportedConfigurationError, match=field):
+            patch._mlp_forward(_Recorder(), _mlp(**{field: True}), (), {})
+    te_layer = type("TELinear", (), {"__module__": "transformer_engine.pytorch.module.linear"})()
+    for which in ("linear_fc1", "linear_fc2"):
+        mlp = _mlp()
+        setattr(mlp, which, te_layer)
+        with pytest.raises(UnsupportedConfigurationError, match="TELinear"):
+            patch._mlp_forward(_Recorder(), mlp, (), {})
+
+
+def _column_call(group_size, **kw):
+    from megapatch.patches import tp_invariant as patch
+
+    args = dict(input=_small((3, 4), 21).bfloat16(), weight=_small((16, 4), 22).bfloat16(), bias=None,
+                gradient_accumulation_fusion=False, allreduce_dgrad=group_size > 1, sequence_parallel=False,
+                grad_output_buffer=None)
+    instance = SimpleNamespace(tp_group=_Group(group_size), config=SimpleNamespace(num_query_groups=None))
+    for key in list(kw):
+        if key in args:
+            args[key] = kw.pop(key)
+    for key, value in kw.items():
+        setattr(instance, key, value)
+    return patch._column_forward_impl(lambda *a, **k: "upstream", instance, (), args)
+
+
+@pytest.mark.parametrize("setting,what", [
+    (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion"),
+    (dict(grad_output_buffer=[]), "defer_embedding_wgrad_compute"),
+    (dict(explicit_expert_comm=True), "expert-parallel"),
+    (dict(config=SimpleNamespace(num_query_groups=1)), "num_query_groups=1"),
+    (dict(allreduce_dgrad=False), "reduced outside it"),
+])
+def test_column_layers_refuse_what_the_mode_cannot_cover(invariant, setting, what):
+    from megapatch.core.errors import UnsupportedConfigurationError
+
+    assert _column_call(2) is not None  # the same call without the setting goes through
+    with pytest.raises(UnsupportedConfigurationError, match=what):
+        _column_call(2, **setting)
+
+
+@pytest.mark.parametrize("positional,what", [
+    ((True,), "gradient_accumulation_fusion"),
+    ((False, False, False, []), "defer_embedding_wgrad_compute"),
+])
+def test_column_refusals_read_positional_arguments_at_upstreams_positions(invariant, positional, what):
+    """``_forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+    sequence_parallel, grad_output_buffer, ...)``, as linear_with_grad_accumulation_and_async_allreduce
+    takes them (megatron-core passes keywords; a positional caller must be read the same)."""
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    instance = SimpleNamespace(tp_group=_Group(1), config=SimpleNamespace(num_query_groups=None))
+    args = (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(16, 4, dtype=torch.bfloat16), None)
+    assert patch._column_forward_impl(None, instance, args + (False, False, False, None), {}) is not None
+    with pytest.raises(UnsupportedConfigurationError, match=what):
+        patch._column_forward_impl(None, instance, args + positional, {})
+
+
+def test_kv_groups_equal_to_the_tp_size_pass_the_column_layer(invariant):
+    assert _column_call(2, config=SimpleNamespace(num_query_groups=2)) is not None
+
+
+def test_column_layer_runs_the_block_gemm_and_honours_the_fp32_output_request(invariant):
+    from megapatch.numerics import fp32_output_linear
+
+    x, weight = _small((3, 4), 21).bfloat16(), _small((16, 4), 22).bfloat16()
+    out = _column_call(1)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, (x.float() @ weight.float().t()).bfloat16())
+    with fp32_output_linear.output_dtype(torch.float32):
+        out = _column_call(1)
+    assert out.dtype == torch.float32 and torch.equal(out, x.float() @ weight.float().t())
+
+
+def test_a_gated_fc1_that_w_does_not_split_is_refused_naming_its_full_size(invariant):
+    """Rank r of TP 2 holds [gate_r; up_r], 6 rows each: 12 gate and 12 up rows in the full layer,
+    which 8 blocks cannot split."""
+    from megapatch.core.errors import OptionError
+    from megapatch.core.scope import scoped
+    from megapatch.patches import tp_invariant as patch
+
+    instance = SimpleNamespace(tp_group=_Group(2), config=SimpleNamespace(num_query_groups=None))
+    args = dict(input=torch.ones(2, 4, dtype=torch.bfloat16), weight=torch.ones(12, 4, dtype=torch.bfloat16),
+                bias=None, allreduce_dgrad=True)
+    with scoped(patch._gated_fc1, instance):
+        with pytest.raises(OptionError, match=r"output features \(each of gate, up\) has size 12, not divisible"):
+            patch._column_forward_impl(None, instance, (), args)
+
+
+def _row_instance(**kw):
+    fields = dict(tp_group=_Group(1), sequence_parallel=False, explicit_expert_comm=False,
+                  gradient_accumulation_fusion=False, input_is_parallel=True, skip_bias_add=False,
+                  weight=_planted((2, 16), 31).bfloat16(), bias=_small((2,), 32).bfloat16())
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def test_row_layer_adds_its_bias_after_the_tree_or_hands_it_back(invariant):
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    x = _signs((3, 16), 33).bfloat16()
+    layer = _row_instance()
+    products = x.float()[:, None, :] * layer.weight.float()[None]
+    tree = _tree([products[..., 2 * b] + products[..., 2 * b + 1] for b in range(W)]).bfloat16()
+    out, bias = patch._row_forward(None, layer, (x,), {})
+    assert bias is None and torch.equal(out, tree + layer.bias)
+    out, bias = patch._row_forward(None, _row_instance(skip_bias_add=True), (x,), {})
+    # handed back expanded to the output's shape (its gradient then sums tokens in the fixed tree)
+    assert torch.equal(out, tree) and torch.equal(bias, layer.bias.expand_as(tree))
+    out, bias = patch._row_forward(None, _row_instance(bias=None), (x,), {})
+    assert bias is None and torch.equal(out, tree)
+    for field, what in (("explicit_expert_comm", "expert-parallel"),
+                        ("gradient_accumulation_fusion", "gradient_accumulation_fusion")):
+        with pytest.raises(UnsupportedConfigurationError, match=what):
+            patch._row_forward(None, _row_instance(**{field: True}), (x,), {})
+
+
+def test_a_row_layer_that_w_does_not_split_is_refused_naming_its_full_size(invariant):
+    from megapatch.core.errors import OptionError
+    from megapatch.patches import tp_invariant as patch
+
+    layer = _row_instance(tp_group=_Group(2), weight=torch.ones(2, 6, dtype=torch.bfloat16))
+    with pytest.raises(OptionError, match="input features has size 12, not divisible by tp_invariant_width=8"):
+        patch._row_forward(None, layer, (torch.ones(3, 6, dtype=torch.bfloat16),), {})
+
+
+def test_the_wrappers_pass_through_when_the_mode_is_off():
+    from megapatch.patches import tp_invariant as patch
+
+    upstream = lambda *a, **k: ("upstream", a, k)  # noqa: E731
+    assert patch._column_forward_impl(upstream, None, (1,), {})[0] == "upstream"
+    assert patch._row_forward(upstream, None, (1,), {})[0] == "upstream"
+    assert patch._mlp_forward(upstream, None, (1,), {})[0] == "upstream"
+    assert patch._norm_owner_scope(upstream, None, (1,), {})[0] == "upstream"
+    assert patch._grad_norm_fp32(upstream, None, ([], 2.0), {})[0] == "upstream"
+    assert patch._block_init(upstream, None, (1,), {})[0] == "upstream"
+    assert patch._distributed_optimizer_init(upstream, None, (1,), {})[0] == "upstream"
+
+
+def test_grad_norm_refusals_and_the_order_free_max(invariant):
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.core.scope import scoped
+    from megapatch.patches import tp_invariant as patch
+
+    upstream = lambda *a, **k: "upstream"  # noqa: E731
+    assert patch._grad_norm_fp32(upstream, None, ([], float("inf")), {}) == "upstream"
+    assert patch._grad_norm_fp32(upstream, None, ([],), {"norm_type": "inf"}) == "upstream"
+    with pytest.raises(UnsupportedConfigurationError, match="outside an optimizer"):
+        patch._grad_norm_fp32(upstream, None, ([], 2.0), {})
+    with scoped(patch._norm_owner, SimpleNamespace()):
+        with pytest.raises(UnsupportedConfigurationError, match="grad norm of type 1.0"):
+            patch._grad_norm_fp32(upstream, None, ([], 1), {})
+    seen = []
+    patch._norm_owner_scope(lambda: seen.append(patch._norm_owner.get()), "the optimizer", (), {})
+    assert seen == ["the optimizer"] and patch._norm_owner.get() is None
+
+
+def test_the_norm_spans_tp_alone_or_tp_times_pp_and_refuses_other_ranks(invariant, monkeypatch):
+    from megatron.core import parallel_state
+
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    stages = _Group(4)  # PP 4 with TP 2: TP x PP = 8, TP + PP = 6
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: stages)
+    tp = _Group(2)
+    assert patch._pipeline_stages(None, tp, False) is None and patch._pipeline_stages(_Group(2), tp, False) is None
+    assert patch._pipeline_stages(_Group(8), tp, False) is stages
+    for size in (16, 6, 4):  # data-parallel or expert ranks too, or a group that is no TP x PP
+        with pytest.raises(UnsupportedConfigurationError, match=f"a grad norm over {size} ranks \\(TP 2 x PP 4"):
+            patch._pipeline_stages(_Group(size), tp, False)
+    # the distributed optimizer's norm spans its data-parallel shards too (gathered first): TP x PP x DP
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda **kw: 2)
+    assert patch._pipeline_stages(_Group(16), tp, True) is stages
+    with pytest.raises(UnsupportedConfigurationError, match="TP 2 x PP 4 x DP 2"):
+        patch._pipeline_stages(_Group(8), tp, True)
+
+
+# -- TP=2 with two data-parallel replicas (world 4) ------------------------------------------------
+
+def _parts(numel, seed):
+    return [_planted((numel,), seed * 100 + b) for b in range(W)]
+
+
+def _param(full, dim, ctx, **attrs):
+    shard = full if dim is None else full.chunk(ctx.tp_size, dim=dim)[ctx.tp_rank]
+    p = torch.nn.Parameter(torch.zeros_like(shard))
+    p.grad = shard.clone()
+    p.tensor_model_parallel = dim is not None
+    p.partition_dim = -1 if dim is None else dim
+    for k, v in attrs.items():
+        setattr(p, k, v)
+    return p
+
+
+def _tp2_job(ctx):
+    import megapatch
+    from megapatch.core.scope import scoped
+    from megapatch.numerics import block_tree as tpi
+    from megapatch.patches import tp_invariant as patch
+
+    megapatch.enable(tp_invariant=True)
+    group, t, r, dp = ctx.tp_group, ctx.tp_size, ctx.tp_rank, ctx.dp_rank
+    mine = slice(r * W // t, (r + 1) * W // t)
+    out = {}
+    for numel in (7, 8):  # 7: not divisible by the TP size (padded all-to-all)
+        parts = _parts(numel, dp)[mine]
+        out[("sum", numel)] = tpi.invariant_sum(parts, group)
+        out[("sum_bf16", numel)] = tpi.invariant_sum(parts, group, torch.bfloat16)
+    shards = [_norm_grad(0).chunk(t, 0)[r] * (dp + 1), _small((5, 3), 9), _norm_grad(1).chunk(t, 1)[r]]
+    out["norms"] = tpi.squared_norms(shards, [0, None, 1], group)
+    # the column-parallel dgrad summed over TP through the tree
+    x = torch.ones(2, 4, requires_grad=True)  # FP32: the FP32 tree comes out unrounded
+    weight = _planted((16, 4), 40 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
+    y = tpi.ColumnParallel.apply(x, weight, None, group, True, tpi.blocks_per_rank(group), None, 1)
+    y.backward(_signs((2, 16), 41)[:, r * 16 // t:(r + 1) * 16 // t])
+    out["dgrad"] = x.grad
+    # the patch's grad norm: parameters in order, a shared one and a missing grad skipped
+    params = [_param(_norm_grad(0), 0, ctx), _param(torch.full((2, 2), 4096.0), None, ctx),
+              _param(_small((3, 16), 42), 1, ctx), _param(torch.full((2,), 1000.0), None, ctx, shared=True),
+              _param(_small((4,), 43), None, ctx)]
+    params[-1].grad = None
+    owner = SimpleNamespace(get_parameters=lambda: params, tp_group=group,
+                            config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
+    with scoped(patch._norm_owner, owner):
+        out["grad_norm"] = patch._grad_norm_fp32(None, None, ([], 2.0, group), {})
+    out["ce_tp2"] = _cross_entropy(ctx, 16)
+    try:
+        _cross_entropy(ctx, 10)
+        out["ce_refused"] = None
+    except Exception as exc:  # noqa: BLE001 -- the message is checked
+        out["ce_refused"] = f"{type(exc).__name__}: {exc}"
+    from megapatch.testing import reinit_model_parallel
+
+    ctx = reinit_model_parallel(ctx, tp=1)
+    out["ce_tp1"] = _cross_entropy(ctx, 16)
+    megapatch.disable()
+    return out
+
+
+def _ce_logits(vocab):
+    """[3 tokens, 1, vocab] FP32 logits spread over a wide range: exp() spans many binades."""
+    return _small((3, 1, vocab), 50) * 4.0 + torch.arange(vocab, dtype=torch.float32) / 3
+
+
+CE_TARGET = torch.tensor([[1], [9], [14]])
+
+
+def _cross_entropy(ctx, vocab):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    shard = vocab // ctx.tp_size
+    logits = _ce_logits(vocab)[..., ctx.tp_rank * shard:(ctx.tp_rank + 1) * shard].contiguous()
+    return vocab_parallel_cross_entropy(logits, CE_TARGET.remainder(vocab))
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return run_ranks(_tp2_job, world_size=4, tp=2, timeout=300)
+
+
+def test_invariant_sum_over_the_tp_group_is_the_fixed_tree_on_every_rank(tp2):
+    for rank, out in enumerate(tp2):
+        dp = rank // 2
+        for numel in (7, 8):
+            want = _tree(_parts(numel, dp))
+            assert torch.equal(out[("sum", numel)], want), (rank, numel)
+            assert out[("sum_bf16", numel)].dtype == torch.bfloat16
+            assert torch.equal(out[("sum_bf16", numel)], want.bfloat16()), (rank, numel)
+    # the planted partials make the tree visible: summed in order they give other bits
+    assert any(not torch.equal(_tree(_parts(n, d)), sum(_parts(n, d))) for n in (7, 8) for d in (0, 1))
+
+
+def test_squared_norms_at_tp2_equal_the_tp1_oracle(tp2):
+    for rank, out in enumerate(tp2):
+        scale = rank // 2 + 1
+        want = torch.stack([_norm_oracle(_norm_grad(0) * scale, 0), (_small((5, 3), 9) ** 2).sum(),
+                            _norm_oracle(_norm_grad(1), 1)])
+        assert torch.equal(out["norms"], want), (rank, out["norms"].tolist(), want.tolist())
+
+
+def test_column_dgrad_summed_over_tp_is_the_fixed_tree(tp2):
+    for rank, out in enumerate(tp2):
+        weight = _planted((16, 4), 40 + rank // 2).bfloat16().float()
+        grad = _signs((2, 16), 41)
+        products = grad[:, :, None] * weight[None]
+        want = _tree([products[:, 2 * b] + products[:, 2 * b + 1] for b in range(W)])
+        assert torch.equal(out["dgrad"], want), rank
+        assert not torch.equal(want, products.sum(1))
+
+
+def test_the_patched_grad_norm_adds_parameters_in_order_and_skips_shared_ones(tp2):
+    totals = [_norm_oracle(_norm_grad(0), 0), torch.tensor(4 * BIG),
+              _tree([torch.tensor(float((b ** 2).sum())) for b in _small((3, 16), 42).split(2, dim=1)])]
+    total = torch.zeros((), dtype=torch.float32)
+    for value in totals:
+        total = total + value
+    for out in tp2:
+        assert out["grad_norm"] == total.item() ** 0.5, (out["grad_norm"], total.item() ** 0.5)
+
+
+def test_vocab_parallel_cross_entropy_is_tp_invariant_and_matches_a_float64_oracle(tp2):
+    logits = _ce_logits(16).double()
+    want = torch.logsumexp(logits, dim=-1) - logits.gather(-1, CE_TARGET[..., None])[..., 0]
+    for rank, out in enumerate(tp2):
+        assert torch.equal(out["ce_tp2"], out["ce_tp1"]), rank
+        assert torch.allclose(out["ce_tp1"].double(), want, rtol=1e-6, atol=0), (out["ce_tp1"], want)
+
+
+def test_a_vocabulary_that_w_does_not_split_is_refused_naming_its_size(tp2):
+    for out in tp2:
+        assert out["ce_refused"] and "OptionError" in out["ce_refused"], out["ce_refused"]
+        assert "the vocabulary (cross entropy) has size 10, not divisible by tp_invariant_width=8" in out["ce_refused"]

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Mutation testing of the numerics and consistency code with cosmic-ray (results/mutation.md).
+#
+#   pip install cosmic-ray==8.7.0        # any interpreter; COSMIC_RAY_PY names it
+#   tools/mutation.sh [MODULE ...]       # default: every module below
+#
+# Each module gets its own session (build/mutation/<name>.sqlite): cosmic-ray writes one mutant at
+# a time into a scratch copy of this checkout (build/mutation/tree; your files are never touched)
+# and runs tools/mutation_tests.sh MODULE there, whose rank processes import the mutant too.
+# Environment:
+#   PYTHON            the project's test interpreter (default: python)
+#   COSMIC_RAY_PY     the interpreter cosmic-ray is installed in (default: $PYTHON)
+#   MUTATION_SAMPLE   run a seeded random sample of this many mutants per module (0: all; default 0)
+#   MUTATION_SEED     the sample's seed (default 19)
+#   MUTATION_SURVIVORS_OF  a directory of earlier sessions: run only the mutants that survived there
+#   MUTATION_TIMEOUT  seconds per mutant (default 900; a timeout counts as killed, and is listed)
+#   MUTATION_OUT      where sessions and reports go (default build/mutation)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python}
+CR_PY=${COSMIC_RAY_PY:-$PYTHON}
+out=$(mkdir -p "${MUTATION_OUT:-$root/build/mutation}" && cd "${MUTATION_OUT:-$root/build/mutation}" && pwd)
+MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits.py patches/_common.py
+         patches/tp_reduce_megatron_core.py patches/cross_rank.py megapatch/numerics/fp32_collectives.py
+         megapatch/numerics/fp32_gemm.py megapatch/numerics/fp32_output_linear.py megapatch/core/cross_rank.py)
+[ $# -gt 0 ] && MODULES=("$@")
+
+tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout
+rm -rf "$tree" && mkdir -p "$tree"
+(cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tree")
+export PYTHONPATH=$tree PYTHON  # the copy shadows any installed megapatch, in spawned ranks too
+
+for module in "${MODULES[@]}"; do
+  name=$(echo "${module%.py}" | tr / _)
+  config=$out/$name.toml session=$out/$name.sqlite
+  cat > "$config" <<TOML
+[cosmic-ray]
+module-path = "$tree/$module"
+timeout = ${MUTATION_TIMEOUT:-900}
+excluded-modules = []
+test-command = "bash $tree/tools/mutation_tests.sh $module"
+
+[cosmic-ray.distributor]
+name = "local"
+TOML
+  rm -f "$session"
+  "$CR_PY" -m cosmic_ray.cli init "$config" "$session"
+  if [ -n "${MUTATION_SURVIVORS_OF:-}" ]; then
+    "$CR_PY" "$root/tools/mutation_select.py" "$session" survivors-of "$MUTATION_SURVIVORS_OF/$name.sqlite"
+  elif [ "${MUTATION_SAMPLE:-0}" != 0 ]; then
+    "$CR_PY" "$root/tools/mutation_select.py" "$session" sample "$MUTATION_SAMPLE" "${MUTATION_SEED:-19}"
+  fi
+  (cd "$tree" && "$CR_PY" -m cosmic_ray.cli exec "$config" "$session")
+  "$CR_PY" "$root/tools/mutation_select.py" "$session" summary | tee "$out/$name.txt"
+done

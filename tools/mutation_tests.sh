@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The tests cosmic-ray runs against one mutated module (tools/mutation.sh): the tests that exercise
+# it, fastest and most direct first, stopping at the first failure (-x). Exit 0 = the mutant
+# survived. Run from the tree being mutated; PYTHON is the project's test interpreter.
+set -u
+module=$1
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+T=tests
+case $module in
+  megapatch/numerics/block_tree.py) tests=(
+    "$T/test_tp_invariant.py::test_tree_sum_adds_adjacent_pairs_level_by_level"
+    "$T/test_tp_invariant.py::test_a_tp_size_that_does_not_divide_the_width_is_refused"
+    "$T/test_tp_invariant.py::test_block_gemm_operands_follow_the_device"
+    "$T/test_tp_invariant_mutants.py") ;;
+  patches/tp_invariant.py) tests=(
+    "$T/test_tp_invariant.py::test_the_distributed_optimizer_is_refused_before_it_is_built"
+    "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
+    "$T/test_tp_invariant_mutants.py") ;;
+  patches/logits.py) tests=(
+    "$T/test_logits.py::test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_it"
+    "$T/test_logits.py::test_an_output_layer_other_than_column_parallel_linear_is_refused_at_construction"
+    "$T/test_logits.py::test_gpt_fp32_logits_contract_and_accuracy"
+    "$T/test_logits.py::test_an_output_layer_swapped_in_after_construction_is_refused_at_forward"
+    "$T/test_logits.py::test_the_marked_layer_must_run_or_the_model_call_fails"
+    "$T/test_logits.py::test_mamba_model_forward_returns_fp32_logits"
+    "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract") ;;
+  megapatch/numerics/fp32_output_linear.py|megapatch/numerics/fp32_gemm.py) tests=(
+    "$T/test_logits.py::test_integer_operands_give_fp32_words_equal_to_the_fp32_reference"
+    "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract"
+    "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
+    "$T/test_logits.py::test_gpt_fp32_logits_contract_and_accuracy") ;;
+  megapatch/numerics/fp32_collectives.py|patches/tp_reduce_megatron_core.py) tests=(
+    "$T/test_tp_reduce_megatron_core.py::test_only_the_tp_layers_reduce_scatter_is_wrapped_not_torchs_function_elsewhere"
+    "$T/test_tp_reduce_megatron_core.py::test_status_names_the_wire_and_accumulator_of_each_mode"
+    "$T/test_tp_reduce_megatron_core.py::test_every_tp_reduction_equals_the_rank_order_fp32_oracle"
+    "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
+    "$T/test_tp_reduce_megatron_core.py::test_disabled_megapatch_is_bit_identical_to_stock") ;;
+  patches/_common.py) tests=(
+    "$T/test_cross_rank.py::test_different_settings_in_one_tp_group_are_refused"
+    "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
+    "$T/test_tp_reduce_megatron_core.py::test_every_tp_reduction_equals_the_rank_order_fp32_oracle"
+    "$T/test_lifecycle.py") ;;
+  megapatch/core/cross_rank.py) tests=(
+    "$T/test_cross_rank.py::test_reconfigured_forgets_verified_groups_and_arms_the_first_call_check"
+    "$T/test_cross_rank.py::test_differences_name_each_differing_option_with_both_values"
+    "$T/test_cross_rank.py::test_job_check_reads_every_rank_on_rank_0_and_rank_0_elsewhere"
+    "$T/test_cross_rank.py::test_different_settings_in_one_tp_group_are_refused"
+    "$T/test_cross_rank.py::test_same_settings_pass_and_reduce"
+    "$T/test_cross_rank.py::test_ranks_differing_in_tp_invariant_or_its_width_are_refused"
+    "$T/test_cross_rank.py::test_a_reconfiguration_to_other_settings_is_checked_again_not_hung"
+    "$T/test_cross_rank.py::test_different_logits_dtype_in_one_tp_group_is_refused"
+    "$T/test_cross_rank.py::test_a_peer_without_megapatch_is_named_after_the_timeout"
+    "$T/test_cross_rank.py::test_data_parallel_replicas_with_different_settings_are_refused"
+    "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch") ;;
+  patches/cross_rank.py) tests=("$T/test_cross_rank.py") ;;
+  *) echo "no tests listed for $module in $0" >&2; exit 2 ;;
+esac
+exec "$PYTHON" -m pytest -x -q -p no:cacheprovider --timeout=600 "${tests[@]}"
