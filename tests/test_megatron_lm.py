@@ -314,6 +314,28 @@ def test_tp_invariant_distributed_optimizer_is_tp_independent(checkout):
     assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
 
 
+@pytest.mark.slow
+def test_a_refusal_reads_as_one_line_per_rank_before_the_first_step(checkout):
+    """Issue 19 item 6: what the mode refuses (here --qk-layernorm at TP=2) stops the job when the
+    model is built: the whole message once (rank 0), a short line on rank 1, no traceback through
+    the script's or megapatch's frames (it once printed three per rank), no iteration."""
+    _tp_invariant_revision(checkout)
+    run, _ = _run(checkout, "tp2-invariant-qk-layernorm",
+                  mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=("--qk-layernorm",)),
+                  nproc=2, megapatch_env={"MEGAPATCH_TP_INVARIANT": "1"})
+    assert run.returncode != 0 and not run.losses, run.tail()
+    full = ("megapatch: UnsupportedConfigurationError: megapatch tp_invariant=True does not support "
+            "qk_layernorm=True (Megatron-LM: --qk-layernorm): its weight gradient sums over the heads TP "
+            "splits, outside the fixed tree. tp_invariant was set by MEGAPATCH_TP_INVARIANT=1 in the "
+            "environment; unset MEGAPATCH_TP_INVARIANT to change it.")
+    assert run.log.count(full) == 1, run.tail()
+    short = [line for line in run.log.splitlines() if "(rank 1; the full message is on rank 0)" in line]
+    assert len(short) == 1 and "does not support qk_layernorm=True" in short[0], run.tail()
+    assert run.log.count("does not support qk_layernorm") == 2, run.tail()
+    # torchrun's own summary of the failed children remains (upstream); no rank prints a traceback
+    assert "pretrain_gpt.py\", line" not in run.log and "tp_invariant.py\", line" not in run.log, run.tail()
+
+
 def test_doctor_refuses_several_distributed_optimizer_instances_for_the_mode(checkout):
     """What the mode still cannot cover of the distributed optimizer (several instances: their
     all-reduce is outside the tree) is refused by ``megapatch doctor -- <flags>`` before a job is

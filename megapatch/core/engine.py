@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import wrapt
 
-from megapatch.core import cross_rank, options, wrappers, report, state, surface
+from megapatch.core import cross_rank, options, rank_errors, wrappers, report, state, surface
 from megapatch.core.errors import OptionError, OptionUnavailableError, UpstreamSurfaceError
 from megapatch.core.registry import Patch, discover
 from megapatch.core.report import PatchReport, Status
@@ -87,6 +87,7 @@ def enable(**arguments: Any) -> Status:
             _rollback(before)
             raise
         _explicit = arguments
+        rank_errors.install()  # a refusal on every rank reads as one line each
         if not before[0] or settings != before[1]:
             cross_rank.reconfigured(settings)
             current = status()
@@ -116,6 +117,7 @@ def disable() -> Status:
         state.set_current(options.NATIVE)
         _explicit = {}
         _enabled = False
+        rank_errors.uninstall()
         if was_enabled:
             cross_rank.reconfigured(options.NATIVE)
         return status()

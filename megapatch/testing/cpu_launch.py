@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import runpy
-import traceback
 import sys
 from typing import List, Optional
 
@@ -107,7 +106,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         # An exception unwinding normally can leave the interpreter waiting at exit on gloo's
         # threads, so torchrun never sees the rank fail and the whole job hangs (seen with
         # --save --ckpt-format torch_dist and psutil missing); exit at once, torchrun stops the rest.
-        traceback.print_exc()
+        # megapatch's own errors read as one line per rank (megapatch.core.rank_errors)
+        sys.excepthook(*sys.exc_info())
         _leave(1)
     # The script finished: leave without interpreter finalisation. Destroying torch's and gloo's
     # C++ objects at exit can meet a still-joinable thread and std::terminate the rank ("terminate

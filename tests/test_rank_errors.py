@@ -1,0 +1,67 @@
+"""A megapatch refusal reads as one line per rank (issue 19 item 6): the whole message on rank 0, a
+short line elsewhere, no traceback; every other exception keeps Python's report."""
+
+import sys
+
+import pytest
+
+import megapatch
+from megapatch.core import rank_errors
+from megapatch.core.errors import UnsupportedConfigurationError
+
+from conftest import run_python
+
+MESSAGE = ("megapatch tp_invariant=True does not support qk_layernorm=True (Megatron-LM: --qk-layernorm): "
+           "its weight gradient sums over the heads TP splits, outside the fixed tree. tp_invariant was "
+           "set by MEGAPATCH_TP_INVARIANT=1 in the environment; unset MEGAPATCH_TP_INVARIANT to change it.")
+
+
+def test_rank_0_prints_the_whole_message_on_one_line_and_the_others_a_short_one():
+    error = UnsupportedConfigurationError(MESSAGE.replace(". ", ".\n   ", 1))  # folded message
+    first = rank_errors.lines(error, 0)
+    assert first == f"megapatch: UnsupportedConfigurationError: {MESSAGE}\n"
+    other = rank_errors.lines(error, 7)
+    assert other.count("\n") == 1 and other.endswith("(rank 7; the full message is on rank 0)\n")
+    assert other.startswith("megapatch: UnsupportedConfigurationError: megapatch tp_invariant=True does "
+                            "not support qk_layernorm=True (Megatron-LM: --qk-layernorm)")
+    assert len(other) < len(first) and "unset MEGAPATCH_TP_INVARIANT" not in other
+
+
+def test_enable_installs_the_hook_and_disable_restores_the_one_before(monkeypatch):
+    def theirs(*exc_info):
+        pass
+
+    monkeypatch.setattr(sys, "excepthook", theirs)
+    megapatch.enable(logits_dtype="fp32")
+    assert sys.excepthook is rank_errors._hook
+    megapatch.enable(logits_dtype="fp32")  # idempotent: the user's hook stays the one chained to
+    assert rank_errors._previous is theirs
+    megapatch.disable()
+    assert sys.excepthook is theirs
+
+
+_RAISE = """
+    import os, megapatch
+    from megapatch.core.errors import UnsupportedConfigurationError
+    megapatch.enable(logits_dtype="fp32")
+    if os.environ["KIND"] == "megapatch":
+        raise UnsupportedConfigurationError("megapatch refuses X. Unset MEGAPATCH_Y to change it.")
+    raise ValueError("not megapatch's")
+    """
+
+
+@pytest.mark.parametrize("rank, expected", [
+    ("0", "megapatch: UnsupportedConfigurationError: megapatch refuses X. Unset MEGAPATCH_Y to change it."),
+    ("3", "megapatch: UnsupportedConfigurationError: megapatch refuses X (rank 3; the full message is on rank 0)"),
+])
+def test_an_uncaught_refusal_is_one_line_without_a_traceback(rank, expected):
+    result = run_python(_RAISE, env={"RANK": rank, "KIND": "megapatch"})
+    assert result.returncode == 1
+    report = [line for line in result.stderr.strip().splitlines() if not line.startswith("megapatch enabled:")]
+    assert report == [expected], result.stderr  # the activation line is rank 0's, before it
+
+
+def test_other_exceptions_keep_their_traceback():
+    result = run_python(_RAISE, env={"RANK": "0", "KIND": "other"})
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr and "ValueError: not megapatch's" in result.stderr
