@@ -1,4 +1,6 @@
+import functools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,6 +24,7 @@ def _megapatch_off_around_each_test(monkeypatch):
     megapatch.disable()
 
 
+@functools.lru_cache(maxsize=None)
 def surface_refusals(prefix: str) -> tuple:
     """Why the installed upstream cannot take the patches named ``prefix``* (the reasons `megapatch
     doctor` shows as INCOMPATIBLE); empty where it can. The version matrix runs each patch's tests
@@ -30,6 +33,26 @@ def surface_refusals(prefix: str) -> tuple:
 
     return tuple(f"{p.name}: {reason}" for p in engine.patches() if p.name.startswith(prefix)
                  for reason in engine.check(p))
+
+
+def skip_unless_upstream_takes(prefix: str, what: str) -> None:
+    """Skip a test of ``what`` (e.g. "tp_invariant") where this upstream cannot take its patches."""
+    refusals = surface_refusals(prefix)
+    if refusals:
+        pytest.skip(f"this megatron-core cannot take {what} (the refusal is tested instead): " + "; ".join(refusals))
+
+
+def check_refused_where_upstream_cannot_take(prefix: str, what: str, **options) -> None:
+    """Where this upstream cannot take ``what``, ``enable(**options)`` raises the first surface
+    refusal and leaves megapatch off; elsewhere the test skips (the tests of the mode run)."""
+    from megapatch.core.errors import UpstreamSurfaceError
+
+    refusals = surface_refusals(prefix)
+    if not refusals:
+        pytest.skip(f"this megatron-core can take {what}: the tests of the mode run instead")
+    with pytest.raises(UpstreamSurfaceError, match=re.escape(refusals[0].partition(": ")[2])):
+        megapatch.enable(**options)
+    assert not megapatch.is_enabled()
 
 
 def run_python(code: str, env: dict = None, timeout: int = 180) -> subprocess.CompletedProcess:

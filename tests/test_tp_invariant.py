@@ -8,13 +8,11 @@ be bit-identical (``torch.equal``) to TP=1. As a precondition the same job shows
 against native TP=1 logits (same model, ordinary rounding differences only).
 """
 
-import functools
-import re
 
 import pytest
 import torch
 
-from conftest import surface_refusals
+from conftest import check_refused_where_upstream_cannot_take, skip_unless_upstream_takes
 from megapatch.testing import run_ranks
 
 TPS = (1, 2, 4, 8)
@@ -251,15 +249,8 @@ def _job(ctx):
     return out if ctx.rank == 0 else None
 
 
-@functools.lru_cache(maxsize=None)
-def _cannot_take_the_mode() -> tuple:
-    return surface_refusals("tp_invariant.")
-
-
 def _needs_the_mode():
-    if _cannot_take_the_mode():
-        pytest.skip("this megatron-core cannot take tp_invariant (the refusal is tested instead): "
-                    + "; ".join(_cannot_take_the_mode()))
+    skip_unless_upstream_takes("tp_invariant.", "tp_invariant")
 
 
 @pytest.fixture(scope="module")
@@ -270,15 +261,7 @@ def runs():
 
 def test_a_megatron_core_that_cannot_take_the_mode_refuses_it():
     """The version matrix's older cells (megatron-core 0.13.1 has no ``ColumnParallelLinear._forward_impl``)."""
-    import megapatch
-    from megapatch.core.errors import UpstreamSurfaceError
-
-    if not _cannot_take_the_mode():
-        pytest.skip("this megatron-core can take tp_invariant: the tests of the mode run instead")
-    first = _cannot_take_the_mode()[0]
-    with pytest.raises(UpstreamSurfaceError, match=re.escape(first.partition(": ")[2])):
-        megapatch.enable(tp_invariant=True)
-    assert not megapatch.is_enabled()
+    check_refused_where_upstream_cannot_take("tp_invariant.", "tp_invariant", tp_invariant=True)
 
 
 def _differing(a, b):

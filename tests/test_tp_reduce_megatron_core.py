@@ -6,13 +6,11 @@ exact integer sums; all-gather + plain FP32 matmul; an FP32 TP=1 model with the 
 Reductions run at TP=4 and at TP=2 x DP=2 (world 4), on sizes not divisible by TP.
 """
 
-import functools
-import re
 
 import pytest
 import torch
 
-from conftest import surface_refusals
+from conftest import check_refused_where_upstream_cannot_take, skip_unless_upstream_takes
 from megapatch.testing import run_ranks
 from reduction_oracles import partial as _partial, rank_order_sum as _oracle
 
@@ -125,28 +123,14 @@ def _every_reduction_path(ctx):
     return found
 
 
-@functools.lru_cache(maxsize=None)
-def _cannot_take_fp32_reductions() -> tuple:
-    return surface_refusals("tp_reduce.megatron_core")
-
-
 def _needs_fp32_reductions():
-    if _cannot_take_fp32_reductions():
-        pytest.skip("this megatron-core cannot take FP32 TP reductions (the refusal is tested instead): "
-                    + "; ".join(_cannot_take_fp32_reductions()))
+    skip_unless_upstream_takes("tp_reduce.megatron_core", "FP32 TP reductions")
 
 
 def test_fp32_reductions_on_a_megatron_core_that_cannot_take_them_are_refused():
     """The version matrix's oldest cell (megatron-core 0.12.3: ``_reduce(input_)`` has no group)."""
-    import megapatch
-    from megapatch.core.errors import UpstreamSurfaceError
-
-    if not _cannot_take_fp32_reductions():
-        pytest.skip("this megatron-core can take FP32 TP reductions: the tests of the mode run instead")
-    first = _cannot_take_fp32_reductions()[0]
-    with pytest.raises(UpstreamSurfaceError, match=re.escape(first.partition(": ")[2])):
-        megapatch.enable(tp_reduce_dtype="fp32")
-    assert not megapatch.is_enabled()
+    check_refused_where_upstream_cannot_take("tp_reduce.megatron_core", "FP32 TP reductions",
+                                             tp_reduce_dtype="fp32")
 
 
 @pytest.fixture(scope="module")
