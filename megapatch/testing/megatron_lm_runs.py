@@ -134,11 +134,21 @@ def launch(checkout: Path, flags: Sequence[str], *, nproc: int = 1,
     ``entry`` defaults to ``-m megapatch.testing.cpu_launch`` with this interpreter; a test may
     pass another (e.g. ``["--no-python", "sh", "wrapper.sh"]``). The whole process group is
     killed at ``timeout``."""
-    env = launch_env(dict(megapatch_env or {}))
-    env.update(extra_env or {})
     entry = list(entry) if entry is not None else ["-m", "megapatch.testing.cpu_launch"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), *entry, script, *flags]
+    return launch_command(checkout, command, megapatch_env=megapatch_env, timeout=timeout,
+                          extra_env=extra_env)
+
+
+def launch_command(checkout: Path, command: Sequence[str], *,
+                   megapatch_env: Optional[Mapping[str, str]] = None, timeout: float = 600.0,
+                   extra_env: Optional[Mapping[str, str]] = None) -> Run:
+    """Run ``command`` (e.g. ``megapatch-run ... torchrun ...``) from the checkout root in
+    :func:`launch_env`'s environment; the whole process group is killed at ``timeout``."""
+    env = launch_env(dict(megapatch_env or {}))
+    env.update(extra_env or {})
+    command = list(command)
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=str(checkout), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
