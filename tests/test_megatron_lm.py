@@ -94,20 +94,32 @@ def _tp_run(checkout, tp, mode):
     return run, probes
 
 
+def _first_step_token_losses(probes):
+    """Rank 0's per-token losses of iteration 1 (its 2 micro-batches: the same weights and data at
+    every TP size), ``{token index: FP32 value}``."""
+    return dict(enumerate(float.fromhex(v) for record in probes[0][:2] for v in record["values"]))
+
+
 @pytest.mark.slow
 def test_fp32_tp_reductions_bring_tp2_losses_to_tp1(checkout):
-    tp1, _ = _tp_run(checkout, 1, "native")
-    native, _ = _tp_run(checkout, 2, "native")
-    fp32, _ = _tp_run(checkout, 2, "fp32")
-    reference = _trained(tp1, ITERS)
-    drift_native = mlm.mean_abs_difference(_trained(native, ITERS), reference)
-    drift_fp32 = mlm.mean_abs_difference(_trained(fp32, ITERS), reference)
+    """The TP drift FP32 reductions remove, measured where it is not mixed with training dynamics:
+    the per-token losses of the first iteration (the same initial model and batch at TP 1 and 2),
+    mean |TP2 - TP1| over its 128 tokens. Printed losses of later iterations are no measure: after
+    an Adam step, rounding differences of either mode are amplified in either direction (on this
+    model fp32's printed iteration-3 loss was further from TP1's than native's)."""
+    tp1, tp1_probes = _tp_run(checkout, 1, "native")
+    native, native_probes = _tp_run(checkout, 2, "native")
+    fp32, fp32_probes = _tp_run(checkout, 2, "fp32")
+    for run in (tp1, native, fp32):
+        _trained(run, ITERS)
+    reference = _first_step_token_losses(tp1_probes)
+    drift_native = mlm.mean_abs_difference(_first_step_token_losses(native_probes), reference)
+    drift_fp32 = mlm.mean_abs_difference(_first_step_token_losses(fp32_probes), reference)
     assert "megapatch enabled" not in native.log  # no MEGAPATCH_* variable: megapatch not loaded
     assert "tp_reduce_dtype=fp32 (env MEGAPATCH_TP_REDUCE_DTYPE)" in fp32.log, fp32.tail()
-    # same model and data: the first step differs only by rounding
-    assert abs(float(native.losses[1]) - float(reference[1])) < 1e-3, (reference, native.losses)
-    assert drift_native > 0, "native TP=2 printed TP=1's losses: the comparison cannot tell"
-    assert drift_fp32 < drift_native, (reference, native.losses, fp32.losses)
+    assert len(reference) == 2 * 2 * 32 and drift_native < 1e-2, drift_native  # the same model
+    assert drift_native > 0, "native TP=2 gave TP=1's per-token losses: the comparison cannot tell"
+    assert drift_fp32 < 0.05 * drift_native, (drift_fp32, drift_native)  # measured: 5.2e-8 vs 5.1e-4
 
 
 def test_fp32_logits_reach_megatron_lm_loss(checkout):

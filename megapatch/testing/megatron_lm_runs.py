@@ -194,9 +194,9 @@ def _kill_tree(pid: int) -> None:
         pass
 
 
-def mean_abs_difference(a: Mapping[int, str], b: Mapping[int, str]) -> float:
-    """Mean |loss_a - loss_b| over the iterations both runs printed."""
+def mean_abs_difference(a: Mapping[int, object], b: Mapping[int, object]) -> float:
+    """Mean |loss_a - loss_b| over the keys both have (iterations as printed, or token indices)."""
     common = sorted(set(a) & set(b))
     if not common:
-        raise ValueError("the runs have no iteration in common")
+        raise ValueError("the runs have no iteration (or token) in common")
     return sum(abs(float(a[i]) - float(b[i])) for i in common) / len(common)

@@ -1,7 +1,8 @@
 """Test-only torchrun entry: ``megapatch.testing.cpu_launch`` plus a recorder of what reaches
 megatron's vocab-parallel cross entropy (the loss of Megatron-LM's ``loss_func``).
 
-Each call appends ``{"dtype": <logits dtype>, "loss": <sha256 of the per-token losses>}`` to
+Each call appends ``{"dtype": <logits dtype>, "loss": <sha256 of the per-token losses>, "values":
+<those losses as float hex>}`` to
 ``$MEGATRON_LM_PROBE_DIR/rank<RANK>.jsonl``, and each clipped step its total grad norm to
 ``norms-rank<RANK>.jsonl``. It only reads tensors; numerics are unchanged.
 """
@@ -22,9 +23,11 @@ def _record_cross_entropy(module):
     def forward(ctx, vocab_parallel_logits, *args, **kwargs):
         dtype = str(vocab_parallel_logits.dtype)
         loss = original(ctx, vocab_parallel_logits, *args, **kwargs)
-        digest = hashlib.sha256(loss.detach().float().contiguous().numpy().tobytes()).hexdigest()
-        with open(OUT, "a") as out:
-            out.write(json.dumps({"dtype": dtype, "loss": digest}) + "\n")
+        values = loss.detach().float().contiguous()
+        digest = hashlib.sha256(values.numpy().tobytes()).hexdigest()
+        with open(OUT, "a") as out:  # the values too, as FP32 hex: a distance needs them, exactly
+            out.write(json.dumps({"dtype": dtype, "loss": digest,
+                                  "values": [v.hex() for v in values.flatten().tolist()]}) + "\n")
         return loss
 
     cls.forward = staticmethod(forward)
