@@ -12,9 +12,12 @@
 #   COSMIC_RAY_PY     the interpreter cosmic-ray is installed in (default: $PYTHON)
 #   MUTATION_SAMPLE   run a seeded random sample of this many mutants per module (0: all; default 0)
 #   MUTATION_SEED     the sample's seed (default 19)
+#   MUTATION_LINES    only mutants starting on these lines ("250-345,351-390"; inclusive), sampled
+#                     among themselves; give one module per run (line numbers are per file)
 #   MUTATION_SURVIVORS_OF  a directory of earlier sessions: run only the mutants that survived there
 #   MUTATION_TIMEOUT  seconds per mutant (default 900; a timeout counts as killed, and is listed)
 #   MUTATION_OUT      where sessions and reports go (default build/mutation)
+#   MUTATION_SLOW     0: leave out the pretrain_gpt.py tests of tools/mutation_tests.sh (default 1)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
@@ -29,6 +32,8 @@ tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout
 rm -rf "$tree" && mkdir -p "$tree"
 (cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tree")
 export PYTHONPATH=$tree PYTHON  # the copy shadows any installed megapatch, in spawned ranks too
+# the Megatron-LM tarballs the pretrain_gpt.py tests read sit beside the checkout, not the copy
+export MEGATRON_LM_TARBALLS=${MEGATRON_LM_TARBALLS:-$(cd "$root/.." && pwd)/shared/megatron-lm}
 
 for module in "${MODULES[@]}"; do
   name=$(echo "${module%.py}" | tr / _)
@@ -45,11 +50,12 @@ name = "local"
 TOML
   rm -f "$session"
   "$CR_PY" -m cosmic_ray.cli init "$config" "$session"
+  [ -n "${MUTATION_LINES:-}" ] && "$CR_PY" "$root/tools/mutation_select.py" "$session" lines "$MUTATION_LINES"
   if [ -n "${MUTATION_SURVIVORS_OF:-}" ]; then
     "$CR_PY" "$root/tools/mutation_select.py" "$session" survivors-of "$MUTATION_SURVIVORS_OF/$name.sqlite"
   elif [ "${MUTATION_SAMPLE:-0}" != 0 ]; then
     "$CR_PY" "$root/tools/mutation_select.py" "$session" sample "$MUTATION_SAMPLE" "${MUTATION_SEED:-19}"
   fi
   (cd "$tree" && "$CR_PY" -m cosmic_ray.cli exec "$config" "$session")
-  "$CR_PY" "$root/tools/mutation_select.py" "$session" summary | tee "$out/$name.txt"
+  "$CR_PY" "$root/tools/mutation_select.py" "$session" summary ${MUTATION_LINES:+"$MUTATION_LINES"} | tee "$out/$name.txt"
 done

@@ -5,8 +5,13 @@
     python tools/mutation_select.py SESSION survivors-of OLD_SESSION
         keep only the mutants that survived in OLD_SESSION (same source, so the same operator,
         occurrence and position); mark the rest skipped
-    python tools/mutation_select.py SESSION summary
-        one line: killed / run / total, then every mutant run: outcome, operator, line, diff
+    python tools/mutation_select.py SESSION lines RANGES
+        keep only the pending mutants that start on a line in RANGES ("250-345,351-390,97": first
+        and last line, inclusive); mark the rest skipped. Run it before ``sample`` to sample one
+        region of a module (``MUTATION_LINES`` in ``tools/mutation.sh``)
+    python tools/mutation_select.py SESSION summary [RANGES]
+        one line: killed / run / total (with RANGES: also how many mutants start in those lines),
+        then every mutant run: outcome, operator, line, diff
 
 Run it with the interpreter cosmic-ray is installed in (``tools/mutation.sh`` does).
 """
@@ -31,6 +36,24 @@ def _skip(db, items, why):
         db.set_result(item.job_id, WorkResult(output=why, worker_outcome=WorkerOutcome.SKIPPED))
 
 
+def _ranges(text: str):
+    spans = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        spans.append((int(first), int(last or first)))
+    return spans
+
+
+def _in(item, spans) -> bool:
+    (m,) = item.mutations
+    return any(first <= m.start_pos[0] <= last for first, last in spans)
+
+
+def lines(db, text: str) -> None:
+    spans = _ranges(text)
+    _skip(db, [item for item in db.pending_work_items if not _in(item, spans)], f"not in lines {text}")
+
+
 def sample(db, n: int, seed: int) -> None:
     # job ids are random: order by mutation (position; ties keep cosmic-ray's deterministic init order)
     pending = sorted(db.pending_work_items, key=lambda item: _key(item)[:4])
@@ -46,11 +69,16 @@ def survivors_of(db, old_path: str) -> None:
           "killed (or not run) in the earlier session")
 
 
-def summary(db) -> None:
+def summary(db, text: str = "") -> None:
     done = [(item, result) for item, result in db.completed_work_items
             if result.worker_outcome != WorkerOutcome.SKIPPED]
     killed = [x for x in done if x[1].is_killed]
-    print(f"{db.name() if callable(db.name) else db.name}: killed {len(killed)} / run {len(done)} / total {db.num_work_items}")
+    region = ""
+    if text:
+        spans = _ranges(text)
+        region = f" / in lines {text}: {sum(_in(item, spans) for item in db.work_items)}"
+    print(f"{db.name() if callable(db.name) else db.name}: killed {len(killed)} / run {len(done)}{region}"
+          f" / total {db.num_work_items}")
     for item, result in sorted(done, key=lambda x: _key(x[0])):
         (m,) = item.mutations
         if result.test_outcome == TestOutcome.SURVIVED:
@@ -73,8 +101,10 @@ def main(argv) -> int:
             sample(db, int(rest[0]), int(rest[1]))
         elif command == "survivors-of":
             survivors_of(db, rest[0])
+        elif command == "lines":
+            lines(db, rest[0])
         elif command == "summary":
-            summary(db)
+            summary(db, *rest)
         else:
             raise SystemExit(__doc__)
     return 0

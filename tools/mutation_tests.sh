@@ -2,21 +2,33 @@
 # The tests cosmic-ray runs against one mutated module (tools/mutation.sh): the tests that exercise
 # it, fastest and most direct first, stopping at the first failure (-x). Exit 0 = the mutant
 # survived. Run from the tree being mutated; PYTHON is the project's test interpreter.
+# Modules with code only a Megatron-LM run reaches (sequence parallelism, the distributed
+# optimizer) then run those pretrain_gpt.py tests (a few minutes; only a mutant that survived the
+# rest gets there); MUTATION_SLOW=0 leaves them out (a survivor then still needs those, or a test).
 set -u
 module=$1
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 T=tests
+slow=()
+MLM="$T/test_megatron_lm.py::test_tp_invariant"
 case $module in
   megapatch/numerics/block_tree.py) tests=(
     "$T/test_tp_invariant.py::test_tree_sum_adds_adjacent_pairs_level_by_level"
     "$T/test_tp_invariant.py::test_a_tp_size_that_does_not_divide_the_width_is_refused"
     "$T/test_tp_invariant.py::test_block_gemm_operands_follow_the_device"
-    "$T/test_tp_invariant_mutants.py") ;;
+    "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
+    "$T/test_tp_invariant_mutants.py")
+    slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
+          "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
   patches/tp_invariant.py) tests=(
-    "$T/test_tp_invariant.py::test_the_distributed_optimizer_is_refused_before_it_is_built"
+    "$T/test_tp_invariant.py::test_several_distributed_optimizer_instances_are_refused_before_it_is_built"
     "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
-    "$T/test_tp_invariant_mutants.py") ;;
+    "$T/test_tp_invariant.py::test_releases_before_the_verified_one_are_refused_naming_both"
+    "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
+    "$T/test_tp_invariant_mutants.py")
+    slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
+          "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
   patches/logits.py) tests=(
     "$T/test_logits.py::test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_it"
     "$T/test_logits.py::test_an_output_layer_other_than_column_parallel_linear_is_refused_at_construction"
@@ -56,4 +68,6 @@ case $module in
   patches/cross_rank.py) tests=("$T/test_cross_rank.py") ;;
   *) echo "no tests listed for $module in $0" >&2; exit 2 ;;
 esac
-exec "$PYTHON" -m pytest -x -q -p no:cacheprovider --timeout=600 "${tests[@]}"
+"$PYTHON" -m pytest -x -q -p no:cacheprovider --timeout=600 "${tests[@]}" || exit
+[ ${#slow[@]} -eq 0 ] || [ "${MUTATION_SLOW:-1}" = 0 ] && exit 0
+exec "$PYTHON" -m pytest -x -q -p no:cacheprovider --timeout=600 "${slow[@]}"
