@@ -6,6 +6,8 @@ changes TP=1 the same way (a block that skips its last row, a wrong tree at the 
 invisible there. These tests compare the block arithmetic with a tree written here
 (``_tree``: halves, recursively) over block sums that are exact, on values whose FP32 sum depends
 on the association (+-2^24 with small integers), placed so every row and block position matters.
+The sequence-parallel and distributed-optimizer code (token-split sums, the sequence slices, the
+grad buffers) gets the same treatment at TP=1, with stand-in groups that carry a rank.
 One 4-rank job runs TP=2 with two data-parallel replicas holding different values (a sum over the
 wrong group is caught) and sizes that TP does not divide.
 """
@@ -422,6 +424,266 @@ def test_the_norm_spans_tp_alone_or_tp_times_pp_and_refuses_other_ranks(invarian
     assert patch._pipeline_stages(_Group(16), tp, True) is stages
     with pytest.raises(UnsupportedConfigurationError, match="TP 2 x PP 4 x DP 2"):
         patch._pipeline_stages(_Group(8), tp, True)
+
+
+# -- sequence parallelism and token-split sums at TP=1 (no ranks) ------------------------------------
+
+class _Ranked(_Group):
+    def __init__(self, size, rank):
+        super().__init__(size)
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+
+def test_sequence_parallel_slices_take_this_ranks_positions(invariant):
+    """``_own_rows`` (ScatterSequence's forward, GatherSequence's backward): rank r of t holds
+    positions [r s/t, (r+1) s/t) of the sequence (dim 0), as upstream's reduce-scatter does."""
+    from megapatch.numerics.block_tree import GatherSequence, ScatterSequence, _own_rows
+
+    x = torch.arange(8 * 2 * 3, dtype=torch.float32).view(8, 2, 3)
+    for t, r in ((1, 0), (2, 0), (2, 1), (4, 3), (8, 5)):
+        group = _Ranked(t, r)
+        want = x[r * 8 // t:(r + 1) * 8 // t]
+        gathered_grad, none = GatherSequence.backward(SimpleNamespace(group=group), x)
+        assert none is None
+        for got in (_own_rows(x, group), ScatterSequence.apply(x, group), gathered_grad):
+            assert got.shape == (8 // t, 2, 3) and torch.equal(got, want), (t, r)
+
+
+def _token_grad():
+    """[8 positions, 2 sequences, 3 features] = 16 rows in W = 8 blocks of 2: exact block sums whose
+    FP32 total depends on the association (2^24 then ones: the tree keeps two of them, in order
+    all are lost), values in blocks' last rows and one in a first row."""
+    g = torch.zeros(16, 3)
+    g[1, 0], g[3, 0], g[5, 0], g[7, 0] = BIG, 1.0, 1.0, 1.0
+    g[8, 1], g[13, 1], g[14, 1] = 2.0, 1.0, -BIG
+    g[11, 2], g[15, 0], g[2, 2] = 3.0, -2.0, 1.0
+    return g.view(8, 2, 3)
+
+
+def _in_order(rows):
+    total = torch.zeros(rows.shape[-1])
+    for row in rows.reshape(-1, rows.shape[-1]):
+        total = total + row
+    return total
+
+
+def _token_oracle(rows):
+    """Per feature: the fixed tree (``_tree``) of the sums of each block of 2 rows ([s*b, h])."""
+    r2 = rows.reshape(-1, rows.shape[-1])
+    return _tree([r2[2 * b] + r2[2 * b + 1] for b in range(W)])
+
+
+def test_norm_affine_gradients_sum_token_blocks_in_the_fixed_tree(invariant):
+    """TokenBlockedAffine: forward ``normalised * w + b`` rounded once; the weight and bias
+    gradients are per-block sums over consecutive rows of [s, b, h] added in the fixed tree
+    (s, b and h all differ, so a reshape by the wrong dim shows); with sequence parallelism
+    (``split``) rank 0 returns the total and other ranks zeros."""
+    from megapatch.numerics.block_tree import TokenBlockedAffine
+
+    grad = _token_grad()
+    normalised = _signs((8, 2, 3), 60).requires_grad_()
+    weight = torch.tensor([0.5, -2.0, 3.0], requires_grad=True)  # FP32: the tree's sum unrounded
+    bias = torch.tensor([1.0, 0.25, -1.0], requires_grad=True)
+    out = TokenBlockedAffine.apply(normalised, weight, bias, None, W, False, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (normalised.detach() * weight.detach() + bias.detach()).bfloat16())
+    out.backward(grad.bfloat16())
+    assert torch.equal(weight.grad, _token_oracle(grad * normalised.detach()))
+    assert torch.equal(bias.grad, _token_oracle(grad))
+    assert torch.equal(normalised.grad, grad * weight.detach())
+    # the association shows on these values: summed in token order the bits differ
+    assert not torch.equal(bias.grad, _in_order(grad))
+    assert not torch.equal(weight.grad, _in_order(grad * normalised.detach()))
+    for rank in (0, 1):  # split: the total on rank 0, zeros elsewhere (upstream all-reduces them)
+        w = weight.detach().clone().requires_grad_()
+        b = bias.detach().clone().requires_grad_()
+        TokenBlockedAffine.apply(normalised.detach(), w, b, _Ranked(1, rank), W, True,
+                                 torch.float32).backward(grad)
+        want_w, want_b = _token_oracle(grad * normalised.detach()), _token_oracle(grad)
+        if rank:
+            want_w, want_b = torch.zeros(3), torch.zeros(3)
+        assert torch.equal(w.grad, want_w) and torch.equal(b.grad, want_b), rank
+    # no bias: only the weight's gradient
+    w = weight.detach().clone().requires_grad_()
+    out = TokenBlockedAffine.apply(normalised.detach(), w, None, None, W, False, torch.float32)
+    assert torch.equal(out, normalised.detach() * w.detach())
+    out.backward(grad)
+    assert torch.equal(w.grad, _token_oracle(grad * normalised.detach()))
+
+
+def test_row_bias_gradient_sums_token_blocks_in_the_fixed_tree(invariant):
+    from megapatch.numerics.block_tree import TokenBlockedBias
+
+    grad = _token_grad()
+    bias = torch.tensor([1.0, 0.25, -1.0], requires_grad=True)
+    out = TokenBlockedBias.apply(bias, (8, 2, 3), None, W, False)
+    assert torch.equal(out, bias.detach().expand(8, 2, 3))
+    out.backward(grad)
+    assert bias.grad.dtype == torch.float32 and torch.equal(bias.grad, _token_oracle(grad))
+    half = torch.tensor([1.0, 0.25, -1.0], dtype=torch.bfloat16, requires_grad=True)
+    TokenBlockedBias.apply(half, (8, 2, 3), _Ranked(1, 1), W, True).backward(grad.bfloat16())
+    assert half.grad.dtype == torch.bfloat16 and torch.equal(half.grad, torch.zeros(3, dtype=torch.bfloat16))
+
+
+def test_squared_norms_of_a_gated_fc1_pair_gate_and_up_blocks(invariant):
+    """``halves=2``: rank r holds [gate_r; up_r] along the partition dim; block b's leaves are gate
+    block b and up block b (as the dgrad tree pairs them), not block b of the local rows."""
+    from megapatch.numerics.block_tree import squared_norms
+
+    # [16, 3] each, W blocks of 2 rows. Squares: gate block 0 2^24, up blocks 0 and 1 one each
+    # (paired with gate: one lost; cut across the local rows: both kept), 9 and 4 further on
+    gate, up = torch.zeros(16, 3), torch.zeros(16, 3)
+    gate[1, 0], gate[11, 2], up[1, 1], up[3, 0], up[12, 1] = 4096.0, 3.0, 1.0, -1.0, 2.0
+    for dim in (0, 1):
+        grad = torch.cat([gate, up], 0) if dim == 0 else torch.cat([gate.t(), up.t()], 1)
+        got = squared_norms([grad], [dim], None, [2])
+        squares = [[torch.tensor(float((half[2 * b:2 * b + 2] ** 2).sum())) for b in range(W)] for half in (gate, up)]
+        sums = [squares[0][b] + squares[1][b] for b in range(W)]
+        assert torch.equal(got, _tree(sums).view(1)), (dim, got, _tree(sums))
+        assert not torch.equal(got, squared_norms([grad], [dim], None)), dim  # the pairing shows
+
+
+def test_token_blocks_are_w_or_w_over_t_and_a_split_sequence_w_does_not_divide_is_refused(invariant):
+    """``_token_blocks``: W blocks of positions per rank, W/t when sequence parallelism splits the
+    sequence over the TP group (only then does the group count), one block for a sequence W does
+    not divide without SP; with SP such a sequence is refused, naming its full length."""
+    from megapatch.core.errors import OptionError
+    from megapatch.patches import tp_invariant as patch
+
+    assert patch._token_blocks(torch.ones(6, 2, 3), None, False) == 1
+    assert patch._token_blocks(torch.ones(6, 2, 3), _Group(2), False) == 1
+    assert patch._token_blocks(torch.ones(16, 1, 3), None, False) == W
+    assert patch._token_blocks(torch.ones(16, 1, 3), _Group(2), False) == W  # not split: the group plays no part
+    assert patch._token_blocks(torch.ones(8, 1, 3), _Group(2), True) == W // 2
+    assert patch._token_blocks(torch.ones(4, 1, 3), _Group(4), True) == W // 4
+    with pytest.raises(OptionError, match=r"the sequence \(tokens summed into a norm or bias gradient\) has "
+                                          r"size 12, not divisible by tp_invariant_width=8"):
+        patch._token_blocks(torch.ones(6, 1, 3), _Group(2), True)
+
+
+def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are_refused(invariant):
+    """LayerNorm/RMSNorm (the local spec without apex) are routed once through TokenBlockedAffine:
+    same output as torch's to rounding, weight and bias gradients the fixed tree of token blocks.
+    A norm with parameters the mode does not know is refused; one without parameters, a norm
+    without affine part and a layer that is no norm are left alone."""
+    import torch.nn.functional as F
+
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    x = _small((16, 1, 3), 71) + torch.arange(3.0)  # no constant row: a well-defined norm
+    grad = _token_grad().reshape(16, 1, 3)
+    for norm in (torch.nn.LayerNorm(3), torch.nn.RMSNorm(3, eps=1e-5)):
+        with torch.no_grad():
+            norm.weight.copy_(torch.tensor([0.5, -2.0, 3.0]))
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.copy_(torch.tensor([1.0, 0.25, -1.0]))
+        native = norm(x)
+        patch._token_blocked_norm(norm)
+        routed = norm.forward
+        patch._token_blocked_norm(norm)  # once only
+        assert norm.forward is routed and norm._megapatch_token_blocked
+        out = norm(x)
+        torch.testing.assert_close(out, native, rtol=1e-6, atol=1e-6)
+        out.backward(grad)
+        if isinstance(norm, torch.nn.LayerNorm):
+            normalised = F.layer_norm(x, (3,), None, None, norm.eps)
+            assert torch.equal(norm.bias.grad, _token_oracle(grad))
+        else:
+            normalised = F.rms_norm(x, (3,), None, norm.eps)
+        assert torch.equal(norm.weight.grad, _token_oracle(grad * normalised)), type(norm)
+
+    class OwnNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3))
+
+    with pytest.raises(UnsupportedConfigurationError, match="does not support the norm layer .*OwnNorm"):
+        patch._token_blocked_norm(OwnNorm())
+
+    class FreeNorm(torch.nn.Module):  # nothing summed over tokens
+        pass
+
+    for module in (FreeNorm(), torch.nn.LayerNorm(3, elementwise_affine=False), torch.nn.Linear(3, 3)):
+        forward = module.forward
+        patch._token_blocked_norm(module)
+        assert module.forward == forward and not getattr(module, "_megapatch_token_blocked", False)
+
+
+def test_a_gated_fc1_is_marked_and_found_through_an_optimizers_fp32_copies():
+    """``_mark_gated_fc1`` marks a SwiGLU fc1's weight and bias (only for a gated linear unit);
+    ``_gated_halves`` finds the FP32 main copies a mixed-precision optimizer made of them."""
+    from megapatch.patches import tp_invariant as patch
+
+    def fc1(config, bias=True):
+        return SimpleNamespace(config=SimpleNamespace(gated_linear_unit=config), linear_fc1=SimpleNamespace(
+            weight=torch.nn.Parameter(torch.ones(2)), bias=torch.nn.Parameter(torch.ones(2)) if bias else None))
+
+    gated, plain, no_bias = fc1(True), fc1(False), fc1(True, bias=False)
+    for module in (gated, plain, no_bias, SimpleNamespace(config=gated.config)):  # the last has no fc1
+        patch._mark_gated_fc1(module)
+    assert getattr(gated.linear_fc1.weight, patch._GATED) == 2 == getattr(gated.linear_fc1.bias, patch._GATED)
+    assert getattr(no_bias.linear_fc1.weight, patch._GATED) == 2
+    assert not hasattr(plain.linear_fc1.weight, patch._GATED) and not hasattr(plain.linear_fc1.bias, patch._GATED)
+    mains = [torch.nn.Parameter(torch.ones(2)) for _ in range(4)]
+    optimizer = SimpleNamespace(
+        float16_groups=[[gated.linear_fc1.weight, plain.linear_fc1.weight],
+                        [plain.linear_fc1.bias, gated.linear_fc1.bias]],
+        fp32_from_float16_groups=[mains[:2], mains[2:]])
+    assert patch._gated_halves(optimizer) == {id(mains[0]): 2, id(mains[3]): 2}
+    assert patch._gated_halves(SimpleNamespace()) == {}
+    assert patch._gated_halves(SimpleNamespace(float16_groups=None, fp32_from_float16_groups=None)) == {}
+
+
+def test_the_grad_norm_reads_its_stats_group_at_upstreams_position(invariant, monkeypatch):
+    """``get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)``: a stats group
+    spanning more than TP x PP is refused whether given by position or by name."""
+    from megatron.core import parallel_state
+
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.core.scope import scoped
+    from megapatch.patches import tp_invariant as patch
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: _Group(4))
+    owner = SimpleNamespace(get_parameters=lambda: [], tp_group=_Group(2),
+                            config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
+    with scoped(patch._norm_owner, owner):
+        for args, kwargs in ((([], 2.0, _Group(16)), {}), (([],), {"grad_stats_parallel_group": _Group(16)})):
+            with pytest.raises(UnsupportedConfigurationError, match=r"a grad norm over 16 ranks \(TP 2 x PP 4"):
+                patch._grad_norm_fp32(None, None, args, kwargs)
+        assert patch._grad_norm_fp32(None, None, ([], 2.0, _Group(2)), {}) == 0.0  # TP alone: no parameters
+
+
+class DistributedOptimizer(SimpleNamespace):
+    """Named as megatron-core's: the patch tells a distributed optimizer by its type's name."""
+
+
+def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_order(invariant):
+    """DP 1: ``_distributed_grads`` yields every parameter with its gradient viewed from the grad
+    buffer in buffer order (not the map's order), and the grad norm sums them as sharded or
+    replicated gradients like the non-distributed optimizer's."""
+    from megapatch.core.scope import scoped
+    from megapatch.patches import tp_invariant as patch
+
+    sharded = _param(_norm_grad(0), 0, SimpleNamespace(tp_size=1, tp_rank=0))
+    replicated = _param(torch.full((2, 2), 4096.0), None, SimpleNamespace(tp_size=1, tp_rank=0))
+    data = torch.cat([replicated.grad.reshape(-1), sharded.grad.reshape(-1)])
+    buffer = SimpleNamespace(grad_data=data, data_parallel_group=_Ranked(1, 0), bucket_indices=[(0, 52)],
+                             buckets=[SimpleNamespace(grad_data=data)],
+                             param_index_map={sharded: (4, 52, 0), replicated: (0, 4, 0)})
+    for p in (sharded, replicated):
+        p.grad = None  # the distributed optimizer's gradients live in the buffer only
+    optimizer = DistributedOptimizer(buffers=[buffer], config=SimpleNamespace())
+    pairs = list(patch._distributed_grads(optimizer))
+    assert [p for p, _ in pairs] == [replicated, sharded]
+    assert torch.equal(pairs[0][1], torch.full((2, 2), 4096.0)) and torch.equal(pairs[1][1], _norm_grad(0))
+    optimizer.tp_group = _Group(1)
+    with scoped(patch._norm_owner, optimizer):
+        norm = patch._grad_norm_fp32(None, None, ([], 2.0, None), {})
+    assert norm == (torch.tensor(4 * BIG) + _norm_oracle(_norm_grad(0), 0)).item() ** 0.5
 
 
 # -- TP=2 with two data-parallel replicas (world 4) ------------------------------------------------
