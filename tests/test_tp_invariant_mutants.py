@@ -359,6 +359,11 @@ def test_row_layer_adds_its_bias_after_the_tree_or_hands_it_back(invariant):
     assert torch.equal(out, tree) and torch.equal(bias, layer.bias.expand_as(tree))
     out, bias = patch._row_forward(None, _row_instance(bias=None), (x,), {})
     assert bias is None and torch.equal(out, tree)
+    # the bias is added, not lost in rounding: small integers, exact in BF16 (|sum| <= 147)
+    small, layer = _small((3, 16), 34).bfloat16(), _row_instance(weight=_small((2, 16), 35).bfloat16())
+    out, _ = patch._row_forward(None, layer, (small,), {})
+    exact = small.float() @ layer.weight.float().t()
+    assert torch.equal(out.float(), exact + layer.bias.float()) and not torch.equal(out.float(), exact)
     for field, what in (("explicit_expert_comm", "expert-parallel"),
                         ("gradient_accumulation_fusion", "gradient_accumulation_fusion")):
         with pytest.raises(UnsupportedConfigurationError, match=what):
@@ -567,8 +572,9 @@ def test_token_blocks_are_w_or_w_over_t_and_a_split_sequence_w_does_not_divide_i
 def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are_refused(invariant):
     """LayerNorm/RMSNorm (the local spec without apex) are routed once through TokenBlockedAffine:
     same output as torch's to rounding, weight and bias gradients the fixed tree of token blocks.
-    A norm with parameters the mode does not know is refused; one without parameters, a norm
-    without affine part and a layer that is no norm are left alone."""
+    A norm with parameters of its own that the mode does not know is refused; one without
+    parameters, one whose parameters are a child's, a norm without affine part and a layer that is
+    no norm are left alone."""
     import torch.nn.functional as F
 
     from megapatch.core.errors import UnsupportedConfigurationError
@@ -607,7 +613,12 @@ def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are
     class FreeNorm(torch.nn.Module):  # nothing summed over tokens
         pass
 
-    for module in (FreeNorm(), torch.nn.LayerNorm(3, elementwise_affine=False), torch.nn.Linear(3, 3)):
+    class NormStack(torch.nn.Module):  # its parameters are a child's, which the block visits itself
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.LayerNorm(3)
+
+    for module in (FreeNorm(), NormStack(), torch.nn.LayerNorm(3, elementwise_affine=False), torch.nn.Linear(3, 3)):
         forward = module.forward
         patch._token_blocked_norm(module)
         assert module.forward == forward and not getattr(module, "_megapatch_token_blocked", False)
