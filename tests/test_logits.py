@@ -359,3 +359,80 @@ def test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_i
     with logits.lm_head(older):
         assert not hasattr(older, "output_dtype")
     assert not hasattr(older, "output_dtype")
+
+
+# -- the FP32 GEMM's backend choice, with stand-ins for CUDA and Transformer Engine (mutation audit)
+
+@pytest.fixture
+def fresh_backends():
+    from megapatch.numerics import fp32_gemm
+
+    fp32_gemm._torch_mm_out_dtype.cache_clear()
+    fp32_gemm._te_general_gemm.cache_clear()
+    yield fp32_gemm
+    fp32_gemm._torch_mm_out_dtype.cache_clear()
+    fp32_gemm._te_general_gemm.cache_clear()
+
+
+def test_torch_mm_out_dtype_is_probed_on_cuda_only_with_a_square_product(fresh_backends, monkeypatch):
+    """``torch.mm(out_dtype=)`` is probed on CUDA only (a CPU device never takes that backend), with
+    a probe whose product is defined; a probe that raises means no such backend. The stand-in mm
+    checks shapes as torch's does."""
+    fp32_gemm = fresh_backends
+    probes = []
+
+    def ones(*shape, dtype=None, device=None):
+        probes.append(device)
+        return torch.zeros(shape, dtype=dtype)
+
+    def mm(a, b, out_dtype=None):
+        if a.shape[1] != b.shape[0]:
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({tuple(a.shape)}, {tuple(b.shape)})")
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    with monkeypatch.context() as m:
+        m.setattr(fp32_gemm.torch, "ones", ones)
+        m.setattr(fp32_gemm.torch, "mm", mm)
+        assert fp32_gemm._torch_mm_out_dtype("cpu") is False and probes == []
+        assert fp32_gemm._torch_mm_out_dtype("cuda") is True and probes == ["cuda"]
+
+        def no_kernel(a, b, out_dtype=None):
+            raise RuntimeError("no kernel for these dtypes")
+
+        fp32_gemm._torch_mm_out_dtype.cache_clear()
+        m.setattr(fp32_gemm.torch, "mm", no_kernel)
+        assert fp32_gemm._torch_mm_out_dtype("cuda") is False
+
+
+def test_te_general_gemm_is_taken_only_with_the_arguments_it_is_called_with(fresh_backends, monkeypatch):
+    """Transformer Engine's ``general_gemm`` is used when its signature takes A, B, out_dtype and
+    layout (with ``workspace``: the workspace passed through); an older one is not used."""
+    import sys
+    import types
+
+    fp32_gemm = fresh_backends
+
+    def te_with(general_gemm):
+        modules = {name: types.ModuleType(name) for name in (
+            "transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.cpp_extensions",
+            "transformer_engine.pytorch.module", "transformer_engine.pytorch.module.base")}
+        modules["transformer_engine.pytorch.cpp_extensions"].general_gemm = general_gemm
+        modules["transformer_engine.pytorch.module.base"].get_workspace = lambda: "workspace"
+        for name, module in modules.items():
+            monkeypatch.setitem(sys.modules, name, module)
+        fp32_gemm._te_general_gemm.cache_clear()
+        return fp32_gemm._te_general_gemm()
+
+    def current(A, B, out_dtype, layout):
+        return ("current", A, B, out_dtype, layout)
+
+    def older(A, B, out_dtype):
+        return ("older", A, B)
+
+    def with_workspace(A, B, workspace, out_dtype=None, layout="TN"):
+        return ("with workspace", A, B, workspace, out_dtype, layout)
+
+    assert te_with(current) is current
+    assert te_with(older) is None
+    assert te_with(with_workspace)("a", "b", out_dtype=torch.float32, layout="TN") == (
+        "with workspace", "a", "b", "workspace", torch.float32, "TN")
