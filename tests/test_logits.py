@@ -436,3 +436,54 @@ def test_te_general_gemm_is_taken_only_with_the_arguments_it_is_called_with(fres
     assert te_with(older) is None
     assert te_with(with_workspace)("a", "b", out_dtype=torch.float32, layout="TN") == (
         "with workspace", "a", "b", "workspace", torch.float32, "TN")
+
+
+# -- the FP32 accumulator mode's contract with the upstream forward (mutation audit) --------------
+
+def _small_bf16(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=generator).to(torch.bfloat16)  # exact products and sums
+
+
+def test_the_fp32_accumulator_mode_gives_linear_its_bias_by_position_or_by_name():
+    from megapatch.numerics.fp32_output_linear import _FP32AccumulatorMode
+
+    x, weight, bias = _small_bf16((3, 2, 4), 80), _small_bf16((5, 4), 81), _small_bf16((5,), 82)
+    want = x.float() @ weight.float().t()
+    with _FP32AccumulatorMode() as mode:
+        plain = torch.nn.functional.linear(x, weight)
+        positional = torch.nn.functional.linear(x, weight, bias)
+        named = torch.nn.functional.linear(x, weight, bias=bias)
+    assert mode.intercepted == 3
+    for out, expected in ((plain, want), (positional, want + bias.float()), (named, want + bias.float())):
+        assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert bias.abs().sum() > 0  # a bias that shows
+
+
+def test_an_upstream_forward_without_exactly_one_low_precision_gemm_is_refused():
+    """FP32OutputLinear asks the upstream forward for an FP32 output through its one GEMM: a forward
+    with two GEMMs, or none (even with an FP32 output), is an upstream change, refused."""
+    from megapatch.core.errors import UpstreamSurfaceError
+    from megapatch.numerics.fp32_output_linear import FP32OutputLinear
+
+    class One(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return torch.matmul(x, w.t())
+
+    class Two(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return torch.matmul(x, w.t()) + torch.matmul(x, w.t())
+
+    class NoGemm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x.float()
+
+    x, weight = _small_bf16((3, 4), 83), _small_bf16((4, 4), 84)
+    out = FP32OutputLinear.apply(One, x, weight)
+    assert out.dtype == torch.float32 and torch.equal(out, x.float() @ weight.float().t())
+    for upstream, calls in ((Two, 2), (NoGemm, 0)):
+        with pytest.raises(UpstreamSurfaceError, match=f"GEMM was not recognised \\({calls} GEMM calls intercepted"):
+            FP32OutputLinear.apply(upstream, x, weight)
