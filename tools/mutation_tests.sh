@@ -37,7 +37,16 @@ case $module in
     "$T/test_logits.py::test_the_marked_layer_must_run_or_the_model_call_fails"
     "$T/test_logits.py::test_mamba_model_forward_returns_fp32_logits"
     "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract") ;;
-  megapatch/numerics/fp32_output_linear.py|megapatch/numerics/fp32_gemm.py) tests=(
+  megapatch/numerics/fp32_gemm.py) tests=(
+    "$T/test_logits.py::test_torch_mm_out_dtype_is_probed_on_cuda_only_with_a_square_product"
+    "$T/test_logits.py::test_te_general_gemm_is_taken_only_with_the_arguments_it_is_called_with"
+    "$T/test_logits.py::test_integer_operands_give_fp32_words_equal_to_the_fp32_reference"
+    "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract"
+    "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
+    "$T/test_logits.py::test_gpt_fp32_logits_contract_and_accuracy") ;;
+  megapatch/numerics/fp32_output_linear.py) tests=(
+    "$T/test_logits.py::test_the_fp32_accumulator_mode_gives_linear_its_bias_by_position_or_by_name"
+    "$T/test_logits.py::test_an_upstream_forward_without_exactly_one_low_precision_gemm_is_refused"
     "$T/test_logits.py::test_integer_operands_give_fp32_words_equal_to_the_fp32_reference"
     "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract"
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
