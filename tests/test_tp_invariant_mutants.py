@@ -359,6 +359,8 @@ def test_row_layer_adds_its_bias_after_the_tree_or_hands_it_back(invariant):
     assert torch.equal(out, tree) and torch.equal(bias, layer.bias.expand_as(tree))
     out, bias = patch._row_forward(None, _row_instance(bias=None), (x,), {})
     assert bias is None and torch.equal(out, tree)
+    out, _ = patch._row_forward(None, _row_instance(sequence_parallel=True), (x,), {})
+    assert torch.equal(out, tree + layer.bias)  # TP 1: no sequence to split
     # the bias is added, not lost in rounding: small integers, exact in BF16 (|sum| <= 147)
     small, layer = _small((3, 16), 34).bfloat16(), _row_instance(weight=_small((2, 16), 35).bfloat16())
     out, _ = patch._row_forward(None, layer, (small,), {})
@@ -745,6 +747,8 @@ def _tp2_job(ctx):
                             config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
     with scoped(patch._norm_owner, owner):
         out["grad_norm"] = patch._grad_norm_fp32(None, None, ([], 2.0, group), {})
+    out.update(_sequence_parallel_paths(ctx))
+    out["do_grads"] = [g.clone() for _, g in patch._distributed_grads(_dp_sharded_optimizer(ctx))]
     out["ce_tp2"] = _cross_entropy(ctx, 16)
     try:
         _cross_entropy(ctx, 10)
@@ -757,6 +761,64 @@ def _tp2_job(ctx):
     out["ce_tp1"] = _cross_entropy(ctx, 16)
     megapatch.disable()
     return out
+
+
+SP_GRAD = torch.zeros(8, 1, 2)  # the row layer's output gradient, [8 positions, 1, 2 features]
+SP_GRAD[:4, 0, 0] = torch.tensor([BIG, 1.0, 1.0, 1.0])  # the bias gradient's tree keeps two ones
+SP_GRAD[4:, 0, 1] = torch.tensor([2.0, -BIG, 3.0, 1.0])
+
+
+def _sequence_parallel_paths(ctx):
+    """At TP=2, the sequence-parallel slices and collectives for real: GatherSequence (forward
+    all-gather, backward this rank's slice), ScatterSequence (forward slice, backward all-gather),
+    and the patched column and row layers with ``sequence_parallel`` (the row bias's gradient a
+    token tree across the group, on rank 0)."""
+    from megapatch.numerics import block_tree as tpi
+    from megapatch.patches import tp_invariant as patch
+
+    group, t, r, dp = ctx.tp_group, ctx.tp_size, ctx.tp_rank, ctx.dp_rank
+    out = {}
+    mine = _small((4, 1, 3), 90 + dp)[r * 4 // t:(r + 1) * 4 // t].clone().requires_grad_()
+    gathered = tpi.GatherSequence.apply(mine, group)
+    gathered.backward(_small((4, 1, 3), 91))
+    out["sp_gather"], out["sp_gather_grad"] = gathered.detach(), mine.grad
+    whole = _small((4, 1, 3), 92 + dp).requires_grad_()
+    scattered = tpi.ScatterSequence.apply(whole, group)
+    scattered.backward(_small((4 // t, 1, 3), 93 + r))
+    out["sp_scatter"], out["sp_scatter_grad"] = scattered.detach(), whole.grad
+    # column layer: this rank's 2 positions gathered; dgrad the tree over TP, sliced back
+    x = torch.ones(4 // t, 1, 4, requires_grad=True)  # FP32: the FP32 tree comes out unrounded
+    weight = _planted((16, 4), 94 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
+    layer = SimpleNamespace(tp_group=group, config=SimpleNamespace(num_query_groups=None))
+    y = patch._column_forward_impl(None, layer, (), dict(
+        input=x, weight=weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+        sequence_parallel=True, grad_output_buffer=None))
+    y.backward(_signs((4, 1, 16), 95)[..., r * 16 // t:(r + 1) * 16 // t])
+    out["sp_column"], out["sp_column_dgrad"] = y.detach(), x.grad
+    # row layer: the fixed-tree sum of the K blocks, this rank's 4 of 8 positions, bias after
+    x = _signs((8, 1, 16), 96)[..., r * 16 // t:(r + 1) * 16 // t].clone().requires_grad_()
+    bias = torch.tensor([0.5, -0.25], requires_grad=True)
+    row = _row_instance(tp_group=group, sequence_parallel=True, bias=bias,
+                        weight=_planted((2, 16), 97).bfloat16()[:, r * 16 // t:(r + 1) * 16 // t])
+    y, none = patch._row_forward(None, row, (x,), {})
+    y.backward(SP_GRAD[r * 8 // t:(r + 1) * 8 // t])
+    out["sp_row"], out["sp_row_bias_grad"], out["sp_row_dgrad"] = y.detach(), bias.grad, x.grad
+    return out
+
+
+def _dp_sharded_optimizer(ctx):
+    """A distributed optimizer's grad buffer at DP=2: two buckets, each data-parallel rank holding
+    only its own chunk of each reduced (the other chunk stale: -1)."""
+    dp_group, d = ctx.dp_group, ctx.dp_rank
+    true = torch.arange(20.0) + 100 * ctx.tp_rank
+    data = true.clone()
+    for start, end in ((0, 8), (8, 20)):
+        data[start:end].chunk(2)[1 - d].fill_(-1.0)
+    params = [torch.nn.Parameter(torch.zeros(2, 4)), torch.nn.Parameter(torch.zeros(3, 4))]
+    buffer = SimpleNamespace(grad_data=data, data_parallel_group=dp_group, bucket_indices=[(0, 8), (8, 20)],
+                             buckets=[SimpleNamespace(grad_data=data[0:8]), SimpleNamespace(grad_data=data[8:20])],
+                             param_index_map={params[1]: (8, 20, 1), params[0]: (0, 8, 0)})
+    return DistributedOptimizer(buffers=[buffer])
 
 
 def _ce_logits(vocab):
@@ -832,3 +894,44 @@ def test_a_vocabulary_that_w_does_not_split_is_refused_naming_its_size(tp2):
     for out in tp2:
         assert out["ce_refused"] and "OptionError" in out["ce_refused"], out["ce_refused"]
         assert "the vocabulary (cross entropy) has size 10, not divisible by tp_invariant_width=8" in out["ce_refused"]
+
+
+def test_sequence_parallel_gather_and_scatter_over_tp_are_exact_and_slice_this_ranks_positions(tp2):
+    for rank, out in enumerate(tp2):
+        t, r, dp = 2, rank % 2, rank // 2
+        assert torch.equal(out["sp_gather"], _small((4, 1, 3), 90 + dp)), rank
+        assert torch.equal(out["sp_gather_grad"], _small((4, 1, 3), 91)[2 * r:2 * r + 2]), rank
+        assert torch.equal(out["sp_scatter"], _small((4, 1, 3), 92 + dp)[2 * r:2 * r + 2]), rank
+        assert torch.equal(out["sp_scatter_grad"], torch.cat([_small((2, 1, 3), 93 + q) for q in range(t)])), rank
+
+
+def test_sequence_parallel_column_and_row_layers_follow_the_fixed_tree_over_tp(tp2):
+    """Column: the input gathered (4 positions), dgrad the fixed tree of all 8 blocks over TP, this
+    rank's 2 positions of it. Row: the tree sum over TP, this rank's 4 of 8 positions, plus the
+    bias; the bias gradient is the token tree over all 8 positions on rank 0, zeros on rank 1."""
+    for rank, out in enumerate(tp2):
+        r, dp = rank % 2, rank // 2
+        weight = _planted((16, 4), 94 + dp).bfloat16().float()
+        torch.testing.assert_close(out["sp_column"], torch.ones(4, 1, 4) @ weight[8 * r:8 * r + 8].t(),
+                                   rtol=1e-6, atol=0)
+        products = _signs((4, 1, 16), 95)[..., :, None] * weight  # [4, 1, 16, 4]
+        dgrad = _tree([products[..., 2 * b, :] + products[..., 2 * b + 1, :] for b in range(W)])
+        assert not torch.equal(dgrad, products.sum(-2))
+        assert torch.equal(out["sp_column_dgrad"], dgrad[2 * r:2 * r + 2]), rank
+        x, w = _signs((8, 1, 16), 96), _planted((2, 16), 97).bfloat16().float()
+        products = x[..., None, :] * w  # [8, 1, 2, 16]
+        tree = _tree([products[..., 2 * b] + products[..., 2 * b + 1] for b in range(W)])
+        bias = torch.tensor([0.5, -0.25])
+        assert torch.equal(out["sp_row"], (tree + bias)[4 * r:4 * r + 4]), rank
+        want = _tree(list(SP_GRAD.reshape(8, 2))) if r == 0 else torch.zeros(2)
+        assert torch.equal(out["sp_row_bias_grad"], want), (rank, out["sp_row_bias_grad"])
+        torch.testing.assert_close(out["sp_row_dgrad"], SP_GRAD @ w[:, 8 * r:8 * r + 8], rtol=1e-6, atol=0)
+    assert not torch.equal(_tree(list(SP_GRAD.reshape(8, 2))), _in_order(SP_GRAD))
+
+
+def test_a_distributed_optimizers_shards_are_gathered_over_dp_before_the_norm_reads_them(tp2):
+    for rank, out in enumerate(tp2):
+        true = torch.arange(20.0) + 100 * (rank % 2)
+        grads = out["do_grads"]
+        assert len(grads) == 2 and torch.equal(grads[0], true[:8].view(2, 4)), rank
+        assert torch.equal(grads[1], true[8:].view(3, 4)), rank
