@@ -405,8 +405,9 @@ def test_torch_mm_out_dtype_is_probed_on_cuda_only_with_a_square_product(fresh_b
 
 
 def test_te_general_gemm_is_taken_only_with_the_arguments_it_is_called_with(fresh_backends, monkeypatch):
-    """Transformer Engine's ``general_gemm`` is used when its signature takes A, B, out_dtype and
-    layout (with ``workspace``: the workspace passed through); an older one is not used."""
+    """Transformer Engine's ``general_gemm`` is used, for CUDA tensors, when its signature takes A,
+    B, out_dtype and layout (with ``workspace``: the workspace passed through); an older one is not
+    used."""
     import sys
     import types
 
@@ -433,6 +434,8 @@ def test_te_general_gemm_is_taken_only_with_the_arguments_it_is_called_with(fres
         return ("with workspace", A, B, workspace, out_dtype, layout)
 
     assert te_with(current) is current
+    # TE's GEMM serves CUDA tensors only; a CPU tensor still takes the upcast
+    assert fp32_gemm.backend("cuda") == "te-general-gemm" and fp32_gemm.backend("cpu") == "upcast"
     assert te_with(older) is None
     assert te_with(with_workspace)("a", "b", out_dtype=torch.float32, layout="TN") == (
         "with workspace", "a", "b", "workspace", torch.float32, "TN")
