@@ -453,6 +453,9 @@ def test_fp32_logits_bypass_upstream_output_dtype_view(pr6252_core):
         assert got == {"output_dtype_before": before, "dtype": "torch.float32", "exact": True,
                        "trained": True, "output_dtype_after": before}, (case, got)
     assert "not megatron-core's own output_dtype (PR #6252)" in report["backend"]
+    # a layer upstream was told to make BF16 (GPTModel(logit_dtype=torch.bfloat16)) is refused
+    assert "output_dtype=torch.bfloat16" in report["megapatch_bf16_layer"], report["megapatch_bf16_layer"]
+    assert "enable(logits_dtype='fp32')" in report["megapatch_bf16_layer"]
 
 
 def test_launcher_stand_ins_restore_everything_and_only_report_types():

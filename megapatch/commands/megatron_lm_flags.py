@@ -56,6 +56,8 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         transformer_impl=_value(argv, "--transformer-impl") or "transformer_engine",
         use_distributed_optimizer="--use-distributed-optimizer" in flags,
         num_distributed_optimizer_instances=_int(argv, "--num-distributed-optimizer-instances", 1),
+        # Megatron-LM main's --output-logit-dtype {bf16,fp32} (dest logit_dtype; PR #6252)
+        logit_dtype=_value(argv, "--output-logit-dtype"),
     )
     if heads is None:
         fields["num_attention_heads"] = fields["num_query_groups"] or 1
