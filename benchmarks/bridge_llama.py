@@ -204,12 +204,12 @@ def main() -> None:
         f"{_fmt(hf16['rel_l2'])}). FP32 reductions make TP sizes agree; they do not bring a BF16 "
         "model closer to the FP32 reference than its TP1 BF16 error. FP32 logits change the dtype "
         "of the output layer's result, not the BF16 activations feeding it.")
-    reading.append(
-        "* **Against the converter path.** Same weights (the builder is deterministic; the digest "
-        "above is what it gives under transformers 5.x here, and the same builder under "
-        "transformers 4.57.6 in the converter's venv gave the same digest when this was written: "
-        "see results/bridge.md's commands), same batch, different megatron-core (the Bridge venv's "
-        "above vs 0.16.1) and different loading code; the drift per mode is of the same size.")
+    if conv:
+        reading.append(
+            "* **Against the converter path.** Same builder, seed and batch as llama_hf.md; another "
+            "megatron-core (the one above vs 0.16.1) and other loading code (Bridge's mapping vs "
+            "Megatron-LM's converter). Per mode, the TP2 drift of the two paths is of the same size "
+            "(columns side by side above); tp-invariant is bit-identical on both.")
     timings = [f"* FP32 conversion check job: {fp32['seconds']:.0f} s"] + [
         f"* {m} job (Bridge import, two builds, two forwards): {results[m]['seconds']:.0f} s" for m in modes]
     lines += ["", "## Reading", ""] + reading + ["", "## Timings (wall seconds, 2-core CPU)", ""] + timings
