@@ -62,12 +62,17 @@ def converter_drift(path: Path) -> dict:
     return rows
 
 
-def run_mode(hf, tokens_path, env, bf16=True):
+#: provider fields a mode needs on top of the CPU settings: tp_invariant refuses Bridge's default
+#: fused cross entropy (its sum over the TP ranks is outside the fixed tree)
+MODE_PROVIDER = {"tp-invariant": {"cross_entropy_loss_fusion": False}}
+
+
+def run_mode(hf, tokens_path, env, bf16=True, overrides=None):
     from megapatch.testing import run_ranks
     from megapatch.testing.bridge_llama import forward_tp1_tp2
 
     start = time.monotonic()
-    out = run_ranks(forward_tp1_tp2, 2, tp=1, args=(str(hf), str(tokens_path), MODEL["vocab"], bf16),
+    out = run_ranks(forward_tp1_tp2, 2, tp=1, args=(str(hf), str(tokens_path), MODEL["vocab"], bf16, overrides),
                     env=env, timeout=1200)[0]
     out["seconds"] = time.monotonic() - start
     for name, value in env.items():  # the ranks' megapatch took the mode from the environment
@@ -105,7 +110,7 @@ def main() -> None:
         refused = {}
         for mode in modes:
             try:
-                results[mode] = run_mode(hf, tmp / "tokens.pt", mode_env(mode))
+                results[mode] = run_mode(hf, tmp / "tokens.pt", mode_env(mode), overrides=MODE_PROVIDER.get(mode))
             except RankFailure as failure:  # a refusal megapatch raised on a rank is recorded
                 if "UnsupportedConfigurationError" not in str(failure):
                     raise
@@ -134,7 +139,9 @@ def main() -> None:
         "(Bridge's `LlamaBridge` mapping and its HF weight loading) -> the CPU settings of "
         "`megapatch.testing.bridge_llama.configure_provider` (TP size, megatron-core's local layer "
         "spec: Bridge's default spec is Transformer Engine's; the CUDA fusions off; BF16) -> "
-        "`provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)`. One job of "
+        "`provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)`; for "
+        "tp-invariant also `cross_entropy_loss_fusion=False` (Bridge's default is on, and the mode "
+        "refuses the fused cross entropy at construction). One job of "
         "two gloo ranks per mode: TP 1 (data parallel 2), then TP 2 after re-initialising megatron's "
         "parallel state. megapatch is switched by `MEGAPATCH_*` in the job's environment only (the "
         "ranks never call `enable()`; each run checks that the ranks' settings came from those "

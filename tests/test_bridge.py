@@ -84,11 +84,11 @@ def llama(tmp_path_factory):
             "ref32": L.hf_logits(hf, tokens, "fp32")}
 
 
-def _forward(llama, env, bf16=True):
+def _forward(llama, env, bf16=True, overrides=None):
     from megapatch.testing import run_ranks
     from megapatch.testing.bridge_llama import forward_tp1_tp2
 
-    return run_ranks(forward_tp1_tp2, 2, tp=1, args=(llama["hf"], llama["tokens"], llama["vocab"], bf16),
+    return run_ranks(forward_tp1_tp2, 2, tp=1, args=(llama["hf"], llama["tokens"], llama["vocab"], bf16, overrides),
                      env=env, timeout=900)[0]
 
 
@@ -155,7 +155,7 @@ def test_fp32_reductions_and_logits_from_the_environment_shrink_bridge_tp_drift(
 @needs_bridge
 @pytest.mark.slow
 def test_tp_invariant_bridge_llama_is_bit_identical_at_tp1_and_tp2(llama):
-    out = _forward(llama, {"MEGAPATCH_TP_INVARIANT": "1"})
+    out = _forward(llama, {"MEGAPATCH_TP_INVARIANT": "1"}, overrides={"cross_entropy_loss_fusion": False})
     assert out["enabled"] and out["sources"]["tp_invariant"] == "env MEGAPATCH_TP_INVARIANT"
     assert bool((out["tp1"] == out["tp2"]).all())
 
@@ -202,14 +202,20 @@ def test_installing_megapatch_into_the_bridge_venv_would_change_nothing_of_the_u
 @pytest.mark.slow
 def test_bridge_pretrain_steps_with_tp_invariant_print_tp1s_losses_at_tp2(llama):
     """Bridge's own `pretrain` (recipe base, mock data, the AutoBridge provider) on two CPU ranks
-    under `cpu_launch --bridge`: MEGAPATCH_TP_INVARIANT=1 from the environment only, TP 2 prints
-    TP 1's loss and grad norm at every step, and the job log has the activation line."""
+    under `cpu_launch --bridge`, MEGAPATCH_TP_INVARIANT=1 from the environment only: with Bridge's
+    default fused cross entropy the mode refuses at construction; without it TP 2 prints TP 1's
+    loss and grad norm at every step, and the job log has the activation line."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import bridge_train
 
+    refused = bridge_train.launch(llama["hf"], 2, {"MEGAPATCH_TP_INVARIANT": "1"}, iters=3)
+    # Bridge's default fused cross entropy sums the TP partials itself: refused before any step
+    assert refused.returncode != 0 and not bridge_train.parse(refused.log), refused.tail()
+    assert "does not support cross_entropy_loss_fusion=True" in refused.log, refused.tail()
     runs = {}
     for tp in (1, 2):
-        run = bridge_train.launch(llama["hf"], tp, {"MEGAPATCH_TP_INVARIANT": "1"}, iters=3)
+        run = bridge_train.launch(llama["hf"], tp, {"MEGAPATCH_TP_INVARIANT": "1"}, iters=3,
+                                  extra=bridge_train.NO_CE_FUSION)
         steps = bridge_train.parse(run.log)
         assert run.returncode == 0 and len(steps) == 3, run.tail()
         assert re.search(r"megapatch enabled: .*tp_invariant=True \(env MEGAPATCH_TP_INVARIANT\)", run.log), run.tail()

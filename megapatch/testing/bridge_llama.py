@@ -12,7 +12,9 @@ it). Inside the job, :func:`forward_tp1_tp2`:
    megatron-core's *local* layer spec (Bridge's ``local_layer_spec``; its default spec is TE's),
    the CUDA fusions off (``gradient_accumulation_fusion``, ``bias_activation_fusion``,
    ``masked_softmax_fusion``, ``apply_rope_fusion``, ``persist_layer_norm``,
-   ``bias_dropout_fusion``), BF16 (or FP32 for the conversion check), then ``finalize()``;
+   ``bias_dropout_fusion``), BF16 (or FP32 for the conversion check), then a mode's own provider
+   settings (``tp_invariant``: ``cross_entropy_loss_fusion=False``, which Bridge turns on by
+   default and the mode refuses), then ``finalize()``;
 4. ``provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)`` at
    TP 1 (data parallel 2: both ranks compute the same), runs the token batch forward, then
    re-initialises megatron's parallel state at TP 2 and does the same again.
@@ -32,8 +34,10 @@ FUSIONS_OFF = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked
                "apply_rope_fusion", "persist_layer_norm", "bias_dropout_fusion")
 
 
-def configure_provider(provider, tp: int, bf16: bool = True):
-    """The CPU settings of the module docstring (step 3) on a Bridge ``GPTModelProvider``."""
+def configure_provider(provider, tp: int, bf16: bool = True, overrides=None):
+    """The CPU settings of the module docstring (step 3) on a Bridge ``GPTModelProvider``, then
+    ``overrides`` (provider fields a mode needs, e.g. ``cross_entropy_loss_fusion=False`` for
+    ``tp_invariant``)."""
     import torch
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
@@ -49,11 +53,13 @@ def configure_provider(provider, tp: int, bf16: bool = True):
     if hasattr(provider, "autocast_dtype"):
         provider.autocast_dtype = dtype
     provider.hidden_dropout = provider.attention_dropout = 0.0
+    for name, value in (overrides or {}).items():
+        setattr(provider, name, value)
     provider.finalize()
     return provider
 
 
-def _build(hf_dir: str, tp: int, bf16: bool):
+def _build(hf_dir: str, tp: int, bf16: bool, overrides=None):
     from megatron.bridge import AutoBridge
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -62,7 +68,7 @@ def _build(hf_dir: str, tp: int, bf16: bool):
     model_parallel_cuda_manual_seed(1234)
 
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
-    provider = configure_provider(bridge.to_megatron_provider(load_weights=True), tp, bf16)
+    provider = configure_provider(bridge.to_megatron_provider(load_weights=True), tp, bf16, overrides)
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     return model[0].eval()
 
@@ -88,8 +94,10 @@ def _forward(module, tokens, vocab: int, seen: Dict[str, str]):
     return logits[..., :vocab].clone(), int(logits.shape[-1])
 
 
-def forward_tp1_tp2(ctx, hf_dir: str, tokens_path: str, vocab: int, bf16: bool = True) -> Dict[str, Any]:
-    """Rank function (module docstring); TP 1 then TP 2 in one two-rank job."""
+def forward_tp1_tp2(ctx, hf_dir: str, tokens_path: str, vocab: int, bf16: bool = True,
+                    overrides=None) -> Dict[str, Any]:
+    """Rank function (module docstring); TP 1 then TP 2 in one two-rank job. ``overrides``:
+    provider fields set after the CPU settings (:func:`configure_provider`)."""
     import torch
 
     import megapatch
@@ -101,7 +109,7 @@ def forward_tp1_tp2(ctx, hf_dir: str, tokens_path: str, vocab: int, bf16: bool =
     for tp in (1, 2):
         if tp != ctx.tp_size:
             ctx = reinit_model_parallel(ctx, tp=tp)
-        module = _build(hf_dir, tp, bf16)
+        module = _build(hf_dir, tp, bf16, overrides)
         seen: Dict[str, str] = {}
         out[f"tp{tp}"], out["padded_vocab"][tp] = _forward(module, tokens, vocab, seen)
         out["logits_dtype"][tp] = seen.get("dtype", "?")

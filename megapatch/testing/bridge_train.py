@@ -32,6 +32,7 @@ def _config(args):
 
     cfg = _pretrain_common()
     provider = AutoBridge.from_hf_pretrained(args.hf).to_megatron_provider(load_weights=True)
+    provider.cross_entropy_loss_fusion = bool(args.cross_entropy_fusion)
     cfg.model = configure_provider(provider, args.tp)
     cfg.model.seq_length = args.seq
     cfg.train.train_iters = args.iters
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--cross-entropy-fusion", type=int, choices=(0, 1), default=1,
+                        help="the provider's cross_entropy_loss_fusion (Bridge's default: 1)")
     args = parser.parse_args()
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
