@@ -31,15 +31,20 @@ USAGE = ("usage: torchrun [torchrun options] -m megapatch.testing.cpu_launch [--
          "megapatch.testing.bridge_compat; Bridge imported without Transformer Engine)")
 
 
-def _banner(script: str) -> None:
+def _banner(script: str, bridge: bool = False) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     from megapatch.testing import cpu_compat, megatron_lm_compat
 
     count = len(cpu_compat.WORKAROUNDS) + len(megatron_lm_compat.WORKAROUNDS) + 2
+    modules = "megapatch.testing.cpu_compat, megatron_lm_compat"
+    if bridge:
+        from megapatch.testing import bridge_compat
+
+        count += len(bridge_compat.TRAINING_WORKAROUNDS)
+        modules += ", bridge_compat; TE and nvidia-resiliency-ext as scoped import stand-ins"
     print(f"megapatch.testing.cpu_launch: running {script} on CPU ranks with {count} CUDA "
-          f"stand-ins (megapatch.testing.cpu_compat, megatron_lm_compat); numerics unchanged",
-          file=sys.stderr, flush=True)
+          f"stand-ins ({modules}); numerics unchanged", file=sys.stderr, flush=True)
 
 
 def _flag(argv: List[str], name: str, default: Optional[str] = None) -> Optional[str]:
@@ -96,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if bridge:
         argv = argv[1:]
     script = script_from(argv, USAGE, "megapatch.testing.cpu_launch")
-    _banner(script)
+    _banner(script, bridge)
     warning = padding_warning(sys.argv[1:])
     if warning and os.environ.get("RANK", "0") == "0":
         print(warning, file=sys.stderr, flush=True)
