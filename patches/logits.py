@@ -15,7 +15,10 @@ Megatron-LM main), megapatch still computes the FP32 logits itself, with the sam
 output as a reshaped view created inside the autograd Function, which megatron's own
 vocab-parallel cross entropy modifies in place and autograd refuses; and without TE (CPU,
 ``--transformer-impl local``) upstream raises. The layer's ``output_dtype`` is held at None for
-the call. The first FP32 call logs which path ran (logger ``"megapatch"``, rank 0).
+the call. The first FP32 call logs which path ran (logger ``"megapatch"``, rank 0). A layer built
+with another ``output_dtype`` (``GPTModel(logit_dtype=torch.bfloat16)``: Megatron-Bridge's
+``logit_dtype``, Megatron-LM's ``--output-logit-dtype bf16``) is refused at construction and at
+forward, naming both settings: megapatch never overrides it silently.
 
 Every other ColumnParallelLinear (QKV, fc1, MoE, user layers) is untouched: only the instance that
 the running model calls ``output_layer`` is marked.
@@ -77,6 +80,7 @@ def lm_head(layer):
         yield
         return
     _refuse_unsupported(layer)
+    _refuse_conflicting_output_dtype(layer)
     native = _native_output_dtype(layer)
     _say_path(_path(_device_type(layer), native))
     previous = layer.output_dtype if native else None
@@ -116,6 +120,22 @@ def _refuse_unsupported(layer) -> None:
             f"default output layer. logits_dtype was set by {state.origin('logits_dtype')}.")
 
 
+def _refuse_conflicting_output_dtype(layer) -> None:
+    """An output layer that upstream was told to produce another dtype (PR #6252's
+    ``output_dtype``, set from ``GPTModel(logit_dtype=...)``: Megatron-Bridge's ``logit_dtype``,
+    Megatron-LM's ``--output-logit-dtype``) while megapatch was asked for FP32: neither wins
+    silently. ``output_dtype`` None (not set) or float32 (the same request) composes."""
+    requested = getattr(layer, "output_dtype", None)
+    if requested is None or requested == torch.float32:
+        return
+    raise UnsupportedConfigurationError(
+        f"megapatch logits_dtype='fp32' conflicts with the model's own logit dtype: its output layer "
+        f"was built with output_dtype={requested} (megatron-core GPTModel(logit_dtype={requested}), "
+        f"which Megatron-Bridge's provider field logit_dtype and Megatron-LM's --output-logit-dtype "
+        f"set). logits_dtype was set by {state.origin('logits_dtype')}. Use one of them: drop the "
+        f"model's logit_dtype (or set it to torch.float32), or unset megapatch's logits_dtype.")
+
+
 def _model_forward(wrapped, instance, args, kwargs):
     layer = getattr(instance, "output_layer", None)
     if layer is None or state.current().logits_dtype != "fp32":  # not the last stage, or off
@@ -129,6 +149,7 @@ def _model_init(wrapped, instance, args, kwargs):
     layer = getattr(instance, "output_layer", None)
     if layer is not None and state.current().logits_dtype == "fp32":
         _refuse_unsupported(layer)  # at model construction, before any training step
+        _refuse_conflicting_output_dtype(layer)
 
 
 def _column_parallel_forward(wrapped, instance, args, kwargs):
@@ -153,11 +174,22 @@ _logits_patch = functools.partial(Patch, option="logits_dtype", applies=when("lo
                                   supports=MEGATRON_CORE_TESTED)
 
 
-def _model_marking_patch(name, module, model, summary, watches=(), extra=()):
+def _preflight(config) -> "str | None":
+    """What the model's construction would refuse: a logit dtype of its own other than FP32
+    (``logit_dtype``: Megatron-LM's ``--output-logit-dtype``, Megatron-Bridge's provider field)."""
+    requested = getattr(config, "logit_dtype", None)
+    if requested is None or str(requested).replace("torch.", "") in ("fp32", "float32"):
+        return None
+    return (f"the model's own logit dtype is {requested} (--output-logit-dtype / Megatron-Bridge's "
+            f"logit_dtype), megapatch's logits_dtype is fp32: the model would be refused at "
+            f"construction; use one of them")
+
+
+def _model_marking_patch(name, module, model, summary, watches=(), extra=(), preflight=None):
     """A model class whose construction refuses a foreign head and whose forward marks its
     output layer for FP32 logits (``extra``: further targets marking it the same way)."""
     return _logits_patch(
-        name=name, summary=summary, hook=module, backend=_backend, watches=watches,
+        name=name, summary=summary, hook=module, backend=_backend, watches=watches, preflight=preflight,
         targets=(Target(module, f"{model}.__init__", _model_init, kind="method"),
                  Target(module, f"{model}.forward", _model_forward, kind="method"), *extra))
 
@@ -172,7 +204,8 @@ PATCHES = (
         # (the inference wrapper imports gpt_model, so this hook fires before any MTP step)
         extra=(Target(LANGUAGE_MODULE, "LanguageModule.compute_mtp_single_step", _model_forward,
                       kind="method", params=("self", "hidden_states", "next_token_ids", "position_ids"),
-                      optional=True),)),
+                      optional=True),),
+        preflight=_preflight),
     # the hybrid/Mamba model calls its output layer the same way (megatron-core >= 0.12)
     _model_marking_patch("logits.fp32_lm_head_mamba", MAMBA, "MambaModel",
                          "FP32 LM-head logits for MambaModel (same marking as GPTModel)"),

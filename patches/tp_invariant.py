@@ -267,6 +267,12 @@ _REFUSED_CONFIG = (
     ("defer_embedding_wgrad_compute", bool, "--defer-embedding-wgrad-compute",
      "the deferred wgrad runs outside the layer"),
     ("num_moe_experts", bool, "--num-experts", "expert layers are not covered by this mode yet"),
+    # off by default in Megatron-LM, on by default in Megatron-Bridge's GPTModelProvider: Bridge's
+    # pretrain at TP 2 printed other losses than at TP 1 with it (results/bridge.md)
+    ("cross_entropy_loss_fusion", bool,
+     "--cross-entropy-loss-fusion; Megatron-Bridge: provider.cross_entropy_loss_fusion=False",
+     "megatron-core's fused vocab-parallel cross entropy all-reduces the TP partials of its "
+     "sum of exponentials itself, outside the fixed tree"),
 )
 
 

@@ -490,3 +490,33 @@ def test_an_upstream_forward_without_exactly_one_low_precision_gemm_is_refused()
     for upstream, calls in ((Two, 2), (NoGemm, 0)):
         with pytest.raises(UpstreamSurfaceError, match=f"GEMM was not recognised \\({calls} GEMM calls intercepted"):
             FP32OutputLinear.apply(upstream, x, weight)
+
+
+def test_a_model_logit_dtype_other_than_fp32_is_refused_naming_both_settings(monkeypatch):
+    """Megatron-Bridge's ``logit_dtype`` / Megatron-LM's ``--output-logit-dtype`` reach megatron-core
+    as the output layer's ``output_dtype`` (PR #6252). BF16 there with ``MEGAPATCH_LOGITS_DTYPE=fp32``
+    is refused, naming both sources; FP32 there (the same request) and None compose."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megapatch.core import options, state
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import logits
+
+    monkeypatch.setattr(state, "_current", options.Settings(logits_dtype="fp32"))
+    monkeypatch.setattr(state, "_sources", {"logits_dtype": "env MEGAPATCH_LOGITS_DTYPE"})
+    layer = object.__new__(ColumnParallelLinear)
+    torch.nn.Module.__init__(layer)
+    layer._megapatch_expect_call = False
+    layer.output_dtype = torch.bfloat16
+    with pytest.raises(UnsupportedConfigurationError) as refused:
+        with logits.lm_head(layer):
+            pass
+    message = str(refused.value)
+    assert "output_dtype=torch.bfloat16" in message and "logit_dtype" in message
+    assert "--output-logit-dtype" in message and "MEGAPATCH_LOGITS_DTYPE=fp32 in the environment" in message
+    assert layer.output_dtype is torch.bfloat16  # left as the user built it
+    for agreeing in (torch.float32, None):
+        layer.output_dtype = agreeing
+        with logits.lm_head(layer):
+            assert layer.output_dtype is None
+        assert layer.output_dtype is agreeing

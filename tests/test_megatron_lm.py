@@ -380,6 +380,7 @@ for argv in json.loads(sys.argv[1]):
         bias_activation_fusion=a.bias_swiglu_fusion if swiglu else a.bias_gelu_fusion,
         use_te_activation_func=a.use_te_activation_func,
         defer_embedding_wgrad_compute=a.defer_embedding_wgrad_compute,
+        cross_entropy_loss_fusion=a.cross_entropy_loss_fusion,
         num_moe_experts=a.num_experts, transformer_impl=a.transformer_impl,
         use_distributed_optimizer=a.use_distributed_optimizer,
         num_distributed_optimizer_instances=a.num_distributed_optimizer_instances))
@@ -397,7 +398,7 @@ def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
              mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=LLAMA_FLAGS + ("--no-bias-swiglu-fusion",)),
              ["--num-attention-heads", "8", "--sequence-parallel", "--use-distributed-optimizer",
               "--no-bias-gelu-fusion", "--num-experts", "4", "--use-te-activation-func",
-              "--defer-embedding-wgrad-compute", "--tensor-model-parallel-size=4",
+              "--defer-embedding-wgrad-compute", "--tensor-model-parallel-size=4", "--cross-entropy-loss-fusion",
               "--num-distributed-optimizer-instances", "2"]]
     parsed = subprocess.run([sys.executable, "-c", _PARSED, json.dumps(lines)], cwd=str(checkout[1]),
                             capture_output=True, text=True, timeout=300)
@@ -487,6 +488,9 @@ def test_fp32_logits_bypass_upstream_output_dtype_view(pr6252_core):
         assert got == {"output_dtype_before": before, "dtype": "torch.float32", "exact": True,
                        "trained": True, "output_dtype_after": before}, (case, got)
     assert "not megatron-core's own output_dtype (PR #6252)" in report["backend"]
+    # a layer upstream was told to make BF16 (GPTModel(logit_dtype=torch.bfloat16)) is refused
+    assert "output_dtype=torch.bfloat16" in report["megapatch_bf16_layer"], report["megapatch_bf16_layer"]
+    assert "enable(logits_dtype='fp32')" in report["megapatch_bf16_layer"]
 
 
 def test_launcher_stand_ins_restore_everything_and_only_report_types():

@@ -124,6 +124,7 @@ REFUSED = {
     "qk_layernorm": ("tiny", dict(qk_layernorm=True), "--qk-layernorm"),
     "bias_activation_fusion": ("tiny", dict(bias_activation_fusion=True), "--no-bias-gelu-fusion"),
     "num_query_groups": ("llama", dict(num_query_groups=1), "--num-query-groups"),
+    "cross_entropy_loss_fusion": ("tiny", dict(cross_entropy_loss_fusion=True), "--cross-entropy-loss-fusion"),
 }
 
 

@@ -181,6 +181,7 @@ def test_sum_exp_partials_are_per_block_fp32_sums(invariant):
 def _config(**overrides):
     fields = dict(qk_layernorm=False, gradient_accumulation_fusion=False, bias_activation_fusion=False,
                   use_te_activation_func=False, defer_embedding_wgrad_compute=False, num_moe_experts=None,
+                  cross_entropy_loss_fusion=False,
                   tensor_model_parallel_size=2, num_query_groups=None, num_attention_heads=4,
                   transformer_impl="local", gated_linear_unit=False)
     return SimpleNamespace(**{**fields, **overrides})
@@ -194,6 +195,7 @@ def _config(**overrides):
     ("defer_embedding_wgrad_compute", True, "--defer-embedding-wgrad-compute"),
     ("num_moe_experts", 4, "--num-experts"),
     ("num_query_groups", 1, "--num-query-groups"),
+    ("cross_entropy_loss_fusion", True, "--cross-entropy-loss-fusion"),
 ])
 def test_each_uncovered_config_field_is_refused_alone(invariant, field, value, flag):
     from megapatch.core.errors import UnsupportedConfigurationError

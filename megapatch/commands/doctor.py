@@ -162,7 +162,7 @@ def survey(flags: Optional[List[str]] = None) -> dict:
     """Everything doctor and status report, as plain data (the ``--json`` document). ``flags``: a
     Megatron-LM command line; each requested patch's preflight check then says whether the job it
     starts would be refused (``result["flags"]``)."""
-    result: Dict[str, Any] = {"megapatch": __version__, "versions": {},
+    result: Dict[str, Any] = {"megapatch": __version__, "versions": {}, "stacks": {},
                               "environment": {"variables": {}, "unknown": {}, "problems": []},
                               "settings": None, "sources": {}, "error": None, "disabled": False,
                               "activation": {"state": "unknown", "detail": ""},
@@ -178,6 +178,9 @@ def survey(flags: Optional[List[str]] = None) -> dict:
 
 def _survey(result: dict) -> None:
     result["versions"], error = _guard("version lookup", upstream_versions.installed_versions, {})
+    if error:
+        result["problems"].append(error)
+    result["stacks"], error = _guard("stack version lookup", _stacks, {})
     if error:
         result["problems"].append(error)
     environment, error = _guard("reading the environment", _environment)
@@ -224,6 +227,14 @@ def _survey(result: dict) -> None:
         _preflight(result, {getattr(p, "name", None): p for p in patches})
     code, message = _verdict(result, strict)
     result["result"] = {"code": code, "message": message}
+
+
+def _stacks() -> dict:
+    """The stacks megapatch runs under without patching them (Megatron-Bridge): version, the
+    versions it was run with, and the warning a job would log (a warning only, never a refusal)."""
+    return {package: {"version": upstream_versions.version_of(package), "tested": specifier,
+                      "warning": upstream_versions.untested_stack(package)}
+            for package, (_module, specifier) in upstream_versions.STACKS_TESTED.items()}
 
 
 def _preflight(result: dict, patches: dict) -> None:
@@ -299,6 +310,11 @@ def _supported_text(row: dict) -> str:
 def render_doctor(result: dict) -> str:
     lines = [f"megapatch {result['megapatch']} doctor", ""]
     lines += _versions_lines(result)
+    for package, stack in result.get("stacks", {}).items():
+        if stack["version"] is None:
+            continue
+        lines.append(f"{package} {stack['version']} (megapatch was run under {stack['tested']})"
+                     + (f"; WARNING: {stack['warning']}" if stack["warning"] else ""))
     lines.append("")
     env = result["environment"]
     lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env["variables"].items())

@@ -52,10 +52,13 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         bias_activation_fusion=("--no-bias-swiglu-fusion" if swiglu else "--no-bias-gelu-fusion") not in flags,
         use_te_activation_func="--use-te-activation-func" in flags,
         defer_embedding_wgrad_compute="--defer-embedding-wgrad-compute" in flags,
+        cross_entropy_loss_fusion="--cross-entropy-loss-fusion" in flags,
         num_moe_experts=_int(argv, "--num-experts", None),
         transformer_impl=_value(argv, "--transformer-impl") or "transformer_engine",
         use_distributed_optimizer="--use-distributed-optimizer" in flags,
         num_distributed_optimizer_instances=_int(argv, "--num-distributed-optimizer-instances", 1),
+        # Megatron-LM main's --output-logit-dtype {bf16,fp32} (dest logit_dtype; PR #6252)
+        logit_dtype=_value(argv, "--output-logit-dtype"),
     )
     if heads is None:
         fields["num_attention_heads"] = fields["num_query_groups"] or 1

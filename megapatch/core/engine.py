@@ -17,6 +17,7 @@ from megapatch.core import cross_rank, options, rank_errors, wrappers, report, s
 from megapatch.core.errors import OptionError, OptionUnavailableError, UpstreamSurfaceError
 from megapatch.core.registry import Patch, discover
 from megapatch.core.report import PatchReport, Status
+from megapatch.core import upstream_versions
 from megapatch.core.upstream_versions import installed_versions, supported_range, warn_if_unsupported
 
 log = logging.getLogger("megapatch")
@@ -88,6 +89,7 @@ def enable(**arguments: Any) -> Status:
             raise
         _explicit = arguments
         rank_errors.install()  # a refusal on every rank reads as one line each
+        _watch_stacks()
         if not before[0] or settings != before[1]:
             cross_rank.reconfigured(settings)
             current = status()
@@ -274,6 +276,20 @@ def _rollback(before) -> None:
     _skipped.update(skipped)
     _failed.clear()
     _failed.update(failed)
+
+
+_stacks_hooked: set = set()
+
+
+def _watch_stacks() -> None:
+    """Once per process: when a stack of ``upstream_versions.STACKS_TESTED`` (Megatron-Bridge) is
+    imported (or already is), warn if its version is outside the tested range."""
+    for package, (module_name, _specifier) in upstream_versions.STACKS_TESTED.items():
+        if package in _stacks_hooked:
+            continue
+        _stacks_hooked.add(package)
+        wrapt.register_post_import_hook(
+            lambda _module, package=package: upstream_versions.warn_if_untested_stack(package), module_name)
 
 
 def _register_hook(module_name: str) -> None:

@@ -32,9 +32,17 @@ _MODULES = {
     "megatron-core": ("megatron.core.package_info", "__version__", "core/package_info.py"),
     "transformer-engine": ("transformer_engine", "__version__", None),
     "wrapt": ("wrapt", "__version__", None),
+    # (no file: Bridge's package_info.py runs `git rev-parse` when executed)
+    "megatron-bridge": ("megatron.bridge.package_info", "__version__", None),
 }
 # a module imported means its version module is loaded (or cheap to load: plain constants)
-_IMPORTED_WHEN = {"megatron-core": "megatron.core"}
+_IMPORTED_WHEN = {"megatron-core": "megatron.core", "megatron-bridge": "megatron.bridge"}
+
+#: Stacks that drive megatron-core but that megapatch does not patch, with the versions megapatch
+#: was run under (docs/stack.md section 6): package -> (the module whose import triggers the check,
+#: the tested specifier). Outside it megapatch warns once; it never refuses, since nothing of the
+#: stack's own code is wrapped (the megatron-core patches check their surfaces as always).
+STACKS_TESTED = {"megatron-bridge": ("megatron.bridge", ">=0.6.2,<0.6.3")}
 
 
 def version_info(package: str) -> Tuple[Optional[str], Optional[str]]:
@@ -139,6 +147,28 @@ def outside_range(patch) -> List[str]:
 
 
 _warned: set = set()
+
+
+def untested_stack(package: str) -> Optional[str]:
+    """The warning for ``package`` of :data:`STACKS_TESTED` when its installed version is outside
+    the tested range, else None (also when it is absent)."""
+    version = version_of(package)
+    _module, specifier = STACKS_TESTED[package]
+    if version is None or in_range(version, specifier):
+        return None
+    return (f"{package} {version} is outside the versions megapatch was run under ({specifier}); "
+            f"megapatch patches the megatron-core it drives as usual, check the job log's "
+            f"'megapatch enabled' line and docs/stack.md for what was tried")
+
+
+def warn_if_untested_stack(package: str) -> bool:
+    """One warning per process and version (:func:`untested_stack`); True when it warned."""
+    line = untested_stack(package)
+    if line is None or line in _warned:
+        return False
+    _warned.add(line)
+    log.warning("megapatch: %s", line)
+    return True
 
 
 def warn_if_unsupported(patch) -> None:

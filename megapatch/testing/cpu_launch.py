@@ -19,23 +19,31 @@ installed startup hook, as in any other launch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
 from typing import List, Optional
 
-USAGE = "usage: torchrun [torchrun options] -m megapatch.testing.cpu_launch SCRIPT.py [script args...]"
+USAGE = ("usage: torchrun [torchrun options] -m megapatch.testing.cpu_launch [--bridge] SCRIPT.py "
+         "[script args...]\n  --bridge: a Megatron-Bridge script (its training loop's CUDA stand-ins, "
+         "megapatch.testing.bridge_compat; Bridge imported without Transformer Engine)")
 
 
-def _banner(script: str) -> None:
+def _banner(script: str, bridge: bool = False) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     from megapatch.testing import cpu_compat, megatron_lm_compat
 
     count = len(cpu_compat.WORKAROUNDS) + len(megatron_lm_compat.WORKAROUNDS) + 2
+    modules = "megapatch.testing.cpu_compat, megatron_lm_compat"
+    if bridge:
+        from megapatch.testing import bridge_compat
+
+        count += len(bridge_compat.TRAINING_WORKAROUNDS)
+        modules += ", bridge_compat; TE and nvidia-resiliency-ext as scoped import stand-ins"
     print(f"megapatch.testing.cpu_launch: running {script} on CPU ranks with {count} CUDA "
-          f"stand-ins (megapatch.testing.cpu_compat, megatron_lm_compat); numerics unchanged",
-          file=sys.stderr, flush=True)
+          f"stand-ins ({modules}); numerics unchanged", file=sys.stderr, flush=True)
 
 
 def _flag(argv: List[str], name: str, default: Optional[str] = None) -> Optional[str]:
@@ -87,8 +95,12 @@ def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bridge = bool(argv) and argv[0] == "--bridge"
+    if bridge:
+        argv = argv[1:]
     script = script_from(argv, USAGE, "megapatch.testing.cpu_launch")
-    _banner(script)
+    _banner(script, bridge)
     warning = padding_warning(sys.argv[1:])
     if warning and os.environ.get("RANK", "0") == "0":
         print(warning, file=sys.stderr, flush=True)
@@ -96,8 +108,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     from megapatch.testing.cpu_compat import cpu_workarounds
     from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds
 
+    extra, scope = (), contextlib.nullcontext()
+    if bridge:
+        from megapatch.testing import bridge_compat
+
+        extra, scope = bridge_compat.TRAINING_WORKAROUNDS, bridge_compat.bridge_without_te()
     try:
-        with megatron_lm_workarounds(), cpu_workarounds():
+        with scope, megatron_lm_workarounds(extra), cpu_workarounds():
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):

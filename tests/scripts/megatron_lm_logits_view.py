@@ -57,6 +57,17 @@ def _body(ctx):
     report["megapatch_default_layer"] = run(None, patched=True)
     report["megapatch_fp32_layer"] = run(torch.float32, patched=True)
     report["backend"] = megapatch.status().patch("logits.fp32_lm_head").backend
+    # a model built with logit_dtype=torch.bfloat16 (Bridge's logit_dtype, --output-logit-dtype bf16)
+    from megapatch.core.errors import UnsupportedConfigurationError
+
+    bf16_layer = ColumnParallelLinear(64, 96, config=config, init_method=torch.nn.init.zeros_,
+                                      bias=False, gather_output=False, output_dtype=torch.bfloat16)
+    try:
+        with lm_head(bf16_layer):
+            bf16_layer(x.clone())
+        report["megapatch_bf16_layer"] = "not refused"
+    except UnsupportedConfigurationError as refusal:
+        report["megapatch_bf16_layer"] = str(refusal)
     megapatch.disable()
     return report
 
