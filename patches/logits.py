@@ -120,13 +120,19 @@ def _refuse_unsupported(layer) -> None:
             f"default output layer. logits_dtype was set by {state.origin('logits_dtype')}.")
 
 
+def _foreign_logit_dtype(requested) -> bool:
+    """A logit dtype of the model's own that is not FP32's: a torch dtype on the built layer, or the
+    flag's text (``fp32``/``float32``, ``bf16``...) in a preflight config; None is "not set"."""
+    return requested is not None and str(requested).replace("torch.", "") not in ("fp32", "float32")
+
+
 def _refuse_conflicting_output_dtype(layer) -> None:
     """An output layer that upstream was told to produce another dtype (PR #6252's
     ``output_dtype``, set from ``GPTModel(logit_dtype=...)``: Megatron-Bridge's ``logit_dtype``,
     Megatron-LM's ``--output-logit-dtype``) while megapatch was asked for FP32: neither wins
     silently. ``output_dtype`` None (not set) or float32 (the same request) composes."""
     requested = getattr(layer, "output_dtype", None)
-    if requested is None or requested == torch.float32:
+    if not _foreign_logit_dtype(requested):
         return
     raise UnsupportedConfigurationError(
         f"megapatch logits_dtype='fp32' conflicts with the model's own logit dtype: its output layer "
@@ -178,7 +184,7 @@ def _preflight(config) -> "str | None":
     """What the model's construction would refuse: a logit dtype of its own other than FP32
     (``logit_dtype``: Megatron-LM's ``--output-logit-dtype``, Megatron-Bridge's provider field)."""
     requested = getattr(config, "logit_dtype", None)
-    if requested is None or str(requested).replace("torch.", "") in ("fp32", "float32"):
+    if not _foreign_logit_dtype(requested):
         return None
     return (f"the model's own logit dtype is {requested} (--output-logit-dtype / Megatron-Bridge's "
             f"logit_dtype), megapatch's logits_dtype is fp32: the model would be refused at "

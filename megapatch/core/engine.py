@@ -13,11 +13,10 @@ from typing import Any, Dict, List, Optional
 
 import wrapt
 
-from megapatch.core import cross_rank, options, rank_errors, wrappers, report, state, surface
+from megapatch.core import cross_rank, options, rank_errors, wrappers, report, state, surface, upstream_versions
 from megapatch.core.errors import OptionError, OptionUnavailableError, UpstreamSurfaceError
 from megapatch.core.registry import Patch, discover
 from megapatch.core.report import PatchReport, Status
-from megapatch.core import upstream_versions
 from megapatch.core.upstream_versions import installed_versions, supported_range, warn_if_unsupported
 
 log = logging.getLogger("megapatch")
