@@ -23,15 +23,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megapatch.testing import llama_hf as L  # noqa: E402
-from megapatch.testing.harness import RankFailure  # noqa: E402
+from megapatch.testing.scenarios import llama_hf as L  # noqa: E402
+from megapatch.testing.ranks.harness import RankFailure  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from llama_hf import BATCH, MODEL, SEQ, _fmt  # noqa: E402  (the converter benchmark's model and batch)
 
 
 def mode_env(mode: str) -> dict:
-    """``MEGAPATCH_*`` for one of :data:`megapatch.testing.llama_hf.MODES`."""
+    """``MEGAPATCH_*`` for one of :data:`megapatch.testing.scenarios.llama_hf.MODES`."""
     from megapatch.core.options import OPTIONS_BY_NAME
 
     return {OPTIONS_BY_NAME[k].env: ("1" if v is True else str(v)) for k, v in L.MODES[mode].items()}
@@ -69,7 +69,7 @@ MODE_PROVIDER = {"tp-invariant": {"cross_entropy_loss_fusion": False}}
 
 def run_mode(hf, tokens_path, env, bf16=True, overrides=None):
     from megapatch.testing import run_ranks
-    from megapatch.testing.bridge_llama import forward_tp1_tp2
+    from megapatch.testing.scenarios.bridge_llama import forward_tp1_tp2
 
     start = time.monotonic()
     out = run_ranks(forward_tp1_tp2, 2, tp=1, args=(str(hf), str(tokens_path), MODEL["vocab"], bf16, overrides),
@@ -137,7 +137,7 @@ def main() -> None:
         "",
         "**Path.** `AutoBridge.from_hf_pretrained(dir)` -> `to_megatron_provider(load_weights=True)` "
         "(Bridge's `LlamaBridge` mapping and its HF weight loading) -> the CPU settings of "
-        "`megapatch.testing.bridge_llama.configure_provider` (TP size, megatron-core's local layer "
+        "`megapatch.testing.scenarios.bridge_llama.configure_provider` (TP size, megatron-core's local layer "
         "spec: Bridge's default spec is Transformer Engine's; the CUDA fusions off; BF16) -> "
         "`provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)`; for "
         "tp-invariant also `cross_entropy_loss_fusion=False` (Bridge's default is on, and the mode "
@@ -146,7 +146,7 @@ def main() -> None:
         "parallel state. megapatch is switched by `MEGAPATCH_*` in the job's environment only (the "
         "ranks never call `enable()`; each run checks that the ranks' settings came from those "
         "variables). Bridge is imported without Transformer Engine through the scoped import "
-        "stand-in `megapatch/testing/bridge_compat.py` (docs/stack.md section 6 says what it "
+        "stand-in `megapatch/testing/stand_ins/bridge_compat.py` (docs/stack.md section 6 says what it "
         "replaces). Metrics as defined in llama_hf.md.",
         "",
         "## Conversion check (FP32 forward through Bridge vs transformers FP32)",

@@ -1,5 +1,5 @@
 """A few training steps through Megatron-Bridge's own training entry (``pretrain`` with the recipe
-base's mock data, ``megapatch/testing/bridge_train.py``) on CPU ranks, per megapatch mode switched
+base's mock data, ``megapatch/testing/scenarios/bridge_train.py``) on CPU ranks, per megapatch mode switched
 by ``MEGAPATCH_*`` only; writes a markdown table (``--out``) that ``benchmarks/bridge_llama.py
 --train-table`` appends to results/bridge.md.
 
@@ -21,11 +21,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from llama_hf import MODEL  # noqa: E402
 
-from megapatch.testing import llama_hf as L  # noqa: E402
-from megapatch.testing import megatron_lm_runs as mlm  # noqa: E402
+from megapatch.testing.scenarios import llama_hf as L  # noqa: E402
+from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
 
 ITERS = 5
-SCRIPT = REPO / "megapatch" / "testing" / "bridge_train.py"
+SCRIPT = REPO / "megapatch" / "testing" / "scenarios" / "bridge_train.py"
 NO_CE_FUSION = ("--cross-entropy-fusion", "0")
 #: (column, TP, MEGAPATCH_* of the launch, script flags); two ranks each (TP 1: data parallel 2).
 #: tp_invariant needs cross_entropy_loss_fusion off (Bridge's default is on; the mode refuses it)
@@ -48,12 +48,12 @@ def parse(log: str) -> dict:
 
 def launch(hf, tp: int, env: dict, iters: int = ITERS, timeout: float = 900.0, nproc: int = 2,
            extra=()) -> mlm.Run:
-    """``torchrun --nproc-per-node NPROC -m megapatch.testing.cpu_launch --bridge bridge_train.py``
+    """``torchrun --nproc-per-node NPROC -m megapatch.testing.ranks.cpu_launch --bridge bridge_train.py``
     (data parallel NPROC / TP)."""
     flags = ["--hf", str(hf), "--tp", str(tp), "--iters", str(iters), *extra]
     with tempfile.TemporaryDirectory(prefix="bridge-train-") as cwd:  # Bridge writes nemo_experiments/ here
         return mlm.launch(Path(cwd), flags, nproc=nproc, megapatch_env=env, timeout=timeout,
-                          entry=["-m", "megapatch.testing.cpu_launch", "--bridge"], script=str(SCRIPT),
+                          entry=["-m", "megapatch.testing.ranks.cpu_launch", "--bridge"], script=str(SCRIPT),
                           extra_env={"PYTHONPATH": str(REPO)})
 
 
@@ -84,14 +84,14 @@ def main() -> None:
         f"## Training through Bridge's own entry ({ITERS} steps of `pretrain`, mock data)",
         "",
         f"Produced by `{shlex.join(['python', 'benchmarks/bridge_train.py', *sys.argv[1:]])}`. "
-        "`megapatch/testing/bridge_train.py`: Bridge's recipe base `recipes.common._pretrain_common()` "
+        "`megapatch/testing/scenarios/bridge_train.py`: Bridge's recipe base `recipes.common._pretrain_common()` "
         "(mock GPT data) with `cfg.model` = the AutoBridge provider of the Llama above (HF weights "
         "loaded; local layer spec, CUDA fusions off, BF16), then `megatron.bridge.training.pretrain"
         ".pretrain(cfg, gpt_step.forward_step)`. Overridden for CPU: gloo, micro batch 2, global batch "
         "4, sequence 128, constant lr 1e-5, plain Adam without the distributed optimizer or "
         "overlapped communication, no checkpoints, no evaluation, no tensorboard. Two CPU ranks per "
-        "run (TP1 = data parallel 2) under `torchrun -m megapatch.testing.cpu_launch --bridge` (the "
-        "stand-ins of `megapatch/testing/bridge_compat.py` `TRAINING_WORKAROUNDS` plus the "
+        "run (TP1 = data parallel 2) under `torchrun -m megapatch.testing.ranks.cpu_launch --bridge` (the "
+        "stand-ins of `megapatch/testing/stand_ins/bridge_compat.py` `TRAINING_WORKAROUNDS` plus the "
         "launcher's usual ones). `lm loss` / grad norm as Bridge prints them.",
         "",
         "| iteration | " + " | ".join(columns) + " |",

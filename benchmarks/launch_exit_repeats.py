@@ -1,7 +1,7 @@
 """Does a finished Megatron-LM job exit cleanly, every time? (issue 19 item 4)
 
 Repeats ``megapatch-run --tp-reduce-dtype fp32 torchrun --nproc-per-node 2 -m
-megapatch.testing.cpu_launch pretrain_gpt.py <tiny GPT flags>`` N times and counts the launches
+megapatch.testing.ranks.cpu_launch pretrain_gpt.py <tiny GPT flags>`` N times and counts the launches
 whose exit code is not 0 and those where a rank printed ``terminate called without an active
 exception`` (the SIGABRT seen after ``[after training is done]`` in 1 of 3 such launches).
 
@@ -25,15 +25,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megapatch.testing import megatron_lm_runs as mlm  # noqa: E402
+from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
 
 ABORT = "terminate called without an active exception"
 # the launcher as it was before the fix: the script finishes, then the interpreter finalises
-FINALISING = ("import sys; from megapatch.testing import cpu_launch; "
+FINALISING = ("import sys; from megapatch.testing.ranks import cpu_launch; "
               "cpu_launch._leave = lambda code: sys.exit(code) if code else None; "
               "cpu_launch.main(sys.argv[1:])")
 ENTRIES = {
-    "cpu_launch": ["-m", "megapatch.testing.cpu_launch"],
+    "cpu_launch": ["-m", "megapatch.testing.ranks.cpu_launch"],
     "finalising": ["--no-python", sys.executable, "-c", FINALISING],
 }
 

@@ -6,7 +6,7 @@ megapatch mode, against transformers' own FP32 forward of the same weights. Writ
     python benchmarks/llama_hf.py --tp 1,2 --out /tmp/llama_hf.md
 
 Needs the ``llama`` and ``megatron-lm`` extras. One multi-rank job at a time (CPU ranks, gloo,
-``torchrun -m megapatch.testing.cpu_launch``); each TP size is one job that loads the converted
+``torchrun -m megapatch.testing.ranks.cpu_launch``); each TP size is one job that loads the converted
 checkpoint once and runs the same token batch forward in every mode (``megapatch.enable`` /
 ``disable`` between forwards: megapatch's wrappers read the settings at call time).
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megapatch.testing import llama_hf as L  # noqa: E402
-from megapatch.testing import megatron_lm_runs as mlm  # noqa: E402
+from megapatch.testing.scenarios import llama_hf as L  # noqa: E402
+from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
 
 # 16 heads / 8 KV groups (GQA), every width divisible by 8: TP 8 runs; vocab 1024 is padded to
 # 1024 at every TP size <= 8, so TP sizes share one output layer
@@ -197,7 +197,7 @@ def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, comman
         f"Produced by `{shlex.join(['python', 'benchmarks/llama_hf.py', *sys.argv[1:]])}` on CPU ranks "
         f"(gloo), {source}; " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".",
         "",
-        "**Model.** `megapatch.testing.llama_hf.build_tiny_hf`: a transformers `LlamaForCausalLM`, "
+        "**Model.** `megapatch.testing.scenarios.llama_hf.build_tiny_hf`: a transformers `LlamaForCausalLM`, "
         + ", ".join(f"{k} {v}" for k, v in MODEL.items())
         + ", untied output layer, no biases, seeded random weights (norm gains 1 + 0.1 N(0,1)), saved "
         "in BF16 with `save_pretrained` (safetensors) with a word-level fast tokenizer built locally. "
@@ -211,8 +211,8 @@ def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, comman
         "",
         "**Path.** Megatron-LM's own `tools/checkpoint/convert.py --loader llama_mistral "
         "--checkpoint-type hf --model-size llama3 --saver core --saver-transformer-impl local` "
-        "(under `megapatch.testing.convert_launch`: CPU stand-ins, listed in "
-        "`megapatch/testing/convert_compat.py`) writes one checkpoint per TP size; each is loaded with "
+        "(under `megapatch.testing.ranks.convert_launch`: CPU stand-ins, listed in "
+        "`megapatch/testing/stand_ins/convert_compat.py`) writes one checkpoint per TP size; each is loaded with "
         "Megatron-LM's `initialize_megatron` / `get_model` / `load_checkpoint(strict=True)` and the "
         "Llama flags (`--swiglu --normalization RMSNorm --position-embedding-type rope "
         "--group-query-attention --num-query-groups G --untie-embeddings-and-output-weights "
@@ -274,7 +274,7 @@ def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, comman
     if losses:
         lines += [
             "", f"## Training from the converted checkpoints ({TRAIN_ITERS} iterations of `pretrain_gpt.py`)", "",
-            "Megatron-LM's own `pretrain_gpt.py` under `megapatch.testing.cpu_launch`, loading the "
+            "Megatron-LM's own `pretrain_gpt.py` under `megapatch.testing.ranks.cpu_launch`, loading the "
             "converted checkpoint (`--load CKPT --finetune --no-load-optim --no-load-rng`: the converter "
             "saves no optimizer state), the Llama flags, BF16, NullTokenizer with the checkpoint's "
             "vocabulary (1023 + EOD = 1024 rows at every TP size), mock data, constant lr 1e-5, micro "
@@ -295,7 +295,7 @@ def _write(args, tps, source, results, ref32, ref16, fp32_check, timings, comman
         "* `--saver-transformer-impl local` is needed without Transformer Engine; the checkpoint is "
         "written in `torch` format (`saver_base.py:245`).",
         "* `convert.py` exits 0 when its saver process dies (`convert.py:160-166`, e.g. a TP size "
-        "that does not divide the heads); `python -m megapatch.testing.convert_launch` exits 1 then.",
+        "that does not divide the heads); `python -m megapatch.testing.ranks.convert_launch` exits 1 then.",
         "* Not carried into the checkpoint's args (`loader_llama_mistral.py:280-315`): `rope_theta` "
         "(pass `--rotary-base`, Llama 3: 500000, Qwen2.5: 1000000), llama3-type `rope_scaling` "
         "(pass `--use-rope-scaling --rope-scaling-factor F`), `rms_norm_eps` (the loader writes "

@@ -1,6 +1,6 @@
 """Per-iteration losses printed by Megatron-LM's own ``pretrain_gpt.py`` at TP=1 and TP=2, under
 ``native``, ``fp32`` and ``fp32-accumulate`` TP reductions, each run switched only by
-``MEGAPATCH_TP_REDUCE_DTYPE`` (CPU ranks, gloo, ``torchrun -m megapatch.testing.cpu_launch``).
+``MEGAPATCH_TP_REDUCE_DTYPE`` (CPU ranks, gloo, ``torchrun -m megapatch.testing.ranks.cpu_launch``).
 Writes a markdown table with the exact commands.
 
     python benchmarks/megatron_lm_losses.py                       # pinned core_v0.16.1 tarball
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megapatch.testing import megatron_lm_runs as mlm  # noqa: E402
+from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
 
 # vocab 511 (+1 NullTokenizer EOD) pads to 512 rows at TP=1 and TP=2 alike: the same initial model
 # a small learning rate: with lr 3e-3 the runs decorrelate within ~10 steps (training amplifies

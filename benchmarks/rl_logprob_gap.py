@@ -4,7 +4,7 @@
 
 Rollouts come from megatron-core's dynamic inference engine (``DynamicInferenceEngine``, as
 Megatron RL's ``train_rl.py`` runs them; CPU stand-ins from
-``megapatch.testing.dynamic_inference_compat``); the trainer recomputes the same tokens' log-probs
+``megapatch.testing.stand_ins.dynamic_inference_compat``); the trainer recomputes the same tokens' log-probs
 with the training forward (the whole sequence in one pass, no KV cache) and Megatron RL's
 ``selective_log_softmax`` arithmetic: FP32 logits -> log-sum-exp in FP32, BF16 logits ->
 log_softmax in BF16. Statistics over the generated tokens, as ``megatron/rl/rl_utils.py``
@@ -60,7 +60,7 @@ def _model(tp):
 
 
 def _rollout(ctx, tp, greedy):
-    from megapatch.testing.dynamic_inference_compat import dynamic_engine, generate
+    from megapatch.testing.stand_ins.dynamic_inference_compat import dynamic_engine, generate
 
     engine = dynamic_engine(_model(tp), tp, max_sequence_length=MAX_SEQ, max_requests=PROMPTS)
     torch.manual_seed(SEED)  # the sampler draws from the default generator, the same on every rank
@@ -92,7 +92,7 @@ def _train_logprobs(ctx, tp, sequences):
 def _job(ctx, options, layouts):
     import megapatch
     from megapatch.testing import reinit_model_parallel
-    from megapatch.testing.dynamic_inference_compat import dynamic_inference_workarounds
+    from megapatch.testing.stand_ins.dynamic_inference_compat import dynamic_inference_workarounds
 
     megapatch.enable(**options)
     out = {"rollouts": {}, "train": {}}

@@ -91,7 +91,7 @@ class _PeakHeap(TorchDispatchMode):
 
 
 def _step(model, optimizer, batch):
-    from megapatch.testing.tiny_gpt import cuda_type_names
+    from megapatch.testing.models.tiny_gpt import cuda_type_names
 
     optimizer.zero_grad()
     loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
@@ -102,7 +102,7 @@ def _step(model, optimizer, batch):
 
 def _build(tp, model_name, mode):
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
-    from megapatch.testing.tiny_gpt import llama_config
+    from megapatch.testing.models.tiny_gpt import llama_config
 
     shape = MODELS[model_name]
     fields = dict(shape["config"], num_layers=shape["layers"], deterministic_mode=mode == "deterministic")
@@ -128,7 +128,7 @@ def _profile(step) -> dict:
 def _job(ctx, tps, reps, model_name):
     import megapatch
     from megapatch.testing import make_batch, reinit_model_parallel
-    from megapatch.testing.tiny_gpt import build_bf16_optimizer
+    from megapatch.testing.models.tiny_gpt import build_bf16_optimizer
 
     shape = MODELS[model_name]
     batch = make_batch(seed=5, batch=shape["batch"], seq_len=shape["seq"], vocab=shape["vocab"])

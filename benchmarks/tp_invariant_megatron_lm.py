@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megapatch.testing import megatron_lm_runs as mlm  # noqa: E402
+from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
 
 PROBE = str(REPO / "tests" / "scripts" / "megatron_lm_probe.py")
 ITERS = 6
@@ -91,7 +91,7 @@ def main() -> int:
 
 Command: `python benchmarks/tp_invariant_megatron_lm.py` ({seconds:.0f} s on the 2-core CPU machine;
 megatron-core 0.16.1, Megatron-LM core_v0.16.1's unmodified `pretrain_gpt.py` under
-`torchrun -m megapatch.testing.cpu_launch` with the test probe `tests/scripts/megatron_lm_probe.py`,
+`torchrun -m megapatch.testing.ranks.cpu_launch` with the test probe `tests/scripts/megatron_lm_probe.py`,
 megapatch switched on by `MEGAPATCH_TP_INVARIANT=1` only).
 
 Model: 2 layers, hidden 64, 4 heads (GELU), vocabulary 511 (+ EOD: 512 rows at TP 1, 2 and 4, the same
@@ -100,7 +100,7 @@ iterations, `--transformer-impl local`; GELU GPT (LayerNorm, biases, learned pos
 flags (SwiGLU, RMSNorm, RoPE, 8 heads in 4 KV groups, untied output layer, no biases). TP=1 runs without
 sequence parallelism (Megatron-LM turns it off at TP=1). With `--sequence-parallel` the norms are
 the CPU launcher's labelled stand-in for apex's sequence-parallel `FusedLayerNorm` (a torch norm
-whose parameters are marked `sequence_parallel`, `megapatch.testing.cpu_compat`).
+whose parameters are marked `sequence_parallel`, `megapatch.testing.stand_ins.cpu_compat`).
 
 Columns: per-token losses = the first 12 hex digits of a hash over the SHA-256 of rank 0's per-token
 losses at every micro-batch; printed = the losses Megatron-LM prints (iterations 1-{ITERS}); grad

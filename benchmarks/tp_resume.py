@@ -18,8 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megapatch.testing import megatron_lm_runs as mlm  # noqa: E402
-from megapatch.testing import tp_resume  # noqa: E402
+from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
+from megapatch.testing.scenarios import tp_resume  # noqa: E402
 
 MODES = {
     "native": {},
@@ -74,7 +74,7 @@ def main() -> int:
 
 Command: `python benchmarks/tp_resume.py` ({seconds:.0f} s on the 2-core CPU machine; megatron-core
 0.16.1, Megatron-LM core_v0.16.1's unmodified `pretrain_gpt.py` under
-`torchrun -m megapatch.testing.cpu_launch`, megapatch switched on by `MEGAPATCH_*` only).
+`torchrun -m megapatch.testing.ranks.cpu_launch`, megapatch switched on by `MEGAPATCH_*` only).
 
 Model: GELU GPT with LayerNorm, 2 layers, hidden 64, 4 heads, vocabulary 255 (+ EOD, padded to
 256 at every TP size with `--make-vocab-size-divisible-by 32`), BF16, Adam, `--clip-grad 1.0`

@@ -42,7 +42,15 @@ def _lint_imports(root):
 def test_import_contracts_are_kept(tmp_path):
     result = _lint_imports(_wheel_layout(tmp_path))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "4 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
+
+
+def test_a_stand_in_importing_a_launcher_breaks_the_testing_layers(tmp_path):
+    """The kinds of test infrastructure stay layered: a stand-in (lowest) importing a launcher fails."""
+    result = _lint_with_added_line(tmp_path, "testing/stand_ins/cpu_compat.py",
+                                   "import megapatch.testing.ranks.cpu_launch  # careless")
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "test infrastructure: scenarios > ranks | models > stand_ins BROKEN" in result.stdout
 
 
 def _lint_with_added_line(tmp_path, module_file: str, line: str):
@@ -54,10 +62,10 @@ def _lint_with_added_line(tmp_path, module_file: str, line: str):
 
 
 def test_a_runtime_module_importing_the_test_harness_breaks_a_contract(tmp_path):
-    result = _lint_with_added_line(tmp_path, "core/state.py", "import megapatch.testing.harness  # careless")
+    result = _lint_with_added_line(tmp_path, "core/state.py", "import megapatch.testing.ranks.harness  # careless")
     assert result.returncode == 1, result.stdout[-4000:]
     assert "the runtime path imports nothing from testing or commands BROKEN" in result.stdout
-    assert "megapatch.core.state -> megapatch.testing.harness" in result.stdout
+    assert "megapatch.core.state -> megapatch.testing.ranks.harness" in result.stdout
 
 
 def test_a_cycle_inside_the_engine_breaks_a_contract(tmp_path):

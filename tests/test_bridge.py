@@ -73,7 +73,7 @@ def llama(tmp_path_factory):
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     from llama_hf import BATCH, MODEL, SEQ
 
-    from megapatch.testing import llama_hf as L
+    from megapatch.testing.scenarios import llama_hf as L
 
     root = tmp_path_factory.mktemp("bridge-llama")
     hf = root / "hf"
@@ -86,7 +86,7 @@ def llama(tmp_path_factory):
 
 def _forward(llama, env, bf16=True, overrides=None):
     from megapatch.testing import run_ranks
-    from megapatch.testing.bridge_llama import forward_tp1_tp2
+    from megapatch.testing.scenarios.bridge_llama import forward_tp1_tp2
 
     return run_ranks(forward_tp1_tp2, 2, tp=1, args=(llama["hf"], llama["tokens"], llama["vocab"], bf16, overrides),
                      env=env, timeout=900)[0]
@@ -96,7 +96,7 @@ def _forward(llama, env, bf16=True, overrides=None):
 def test_bridge_imports_without_te_and_megatron_core_sees_none():
     result = run_python("""
         import sys, torch
-        from megapatch.testing import bridge_compat
+        from megapatch.testing.stand_ins import bridge_compat
         bridge_compat.import_bridge()
         import megatron.core.extensions.transformer_engine as ext
         from megatron.bridge.peft import lora_layers
@@ -121,7 +121,7 @@ def test_bridge_imports_without_te_and_megatron_core_sees_none():
 def test_autobridge_fp32_forward_matches_transformers_at_tp1_and_tp2(llama):
     """Bridge's LlamaBridge mapping and weight loading: its FP32 megatron-core forward equals
     transformers' own FP32 forward up to summation order, at TP 1 and 2."""
-    from megapatch.testing import llama_hf as L
+    from megapatch.testing.scenarios import llama_hf as L
 
     out = _forward(llama, {}, bf16=False)
     for tp in (1, 2):
@@ -136,7 +136,7 @@ def test_fp32_reductions_and_logits_from_the_environment_shrink_bridge_tp_drift(
     """BF16 at TP 1 and 2 through AutoBridge: with MEGAPATCH_TP_REDUCE_DTYPE=fp32 and
     MEGAPATCH_LOGITS_DTYPE=fp32 in the job's environment only, TP2 agrees with TP1 several times
     better than natively, the logits are FP32, and the ranks' settings came from those variables."""
-    from megapatch.testing import llama_hf as L
+    from megapatch.testing.scenarios import llama_hf as L
 
     native = _forward(llama, {})
     fp32 = _forward(llama, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32"})
@@ -168,7 +168,7 @@ def test_bridge_0_6_has_no_logit_dtype_field_so_megapatch_is_what_gives_fp32_log
     release has it, this test fails and docs/stack.md section 6 needs its composition run."""
     result = run_python("""
         import dataclasses, inspect
-        from megapatch.testing import bridge_compat
+        from megapatch.testing.stand_ins import bridge_compat
         bridge_compat.import_bridge()
         from megatron.bridge.models.gpt_provider import GPTModelProvider
         from megatron.core.models.gpt.gpt_model import GPTModel

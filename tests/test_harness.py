@@ -235,7 +235,7 @@ def test_cpu_workarounds_nest_and_restore_everything():
     from megatron.core.tensor_parallel import random as mrandom
 
     from megapatch.testing import cpu_workarounds, workarounds_active
-    from megapatch.testing.cpu_compat import WORKAROUNDS, _resolve
+    from megapatch.testing.stand_ins.cpu_compat import WORKAROUNDS, _resolve
 
     def targets():
         return {(w.module, w.attr): getattr(*_resolve(w)) for w in WORKAROUNDS}

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from megapatch.testing import llama_hf as L
-from megapatch.testing import megatron_lm_runs as mlm
+from megapatch.testing.scenarios import llama_hf as L
+from megapatch.testing.ranks import megatron_lm_runs as mlm
 
 TARBALL = Path(__file__).resolve().parents[2] / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"]
 SEQ, BATCH = 64, 2

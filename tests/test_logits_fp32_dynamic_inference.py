@@ -1,7 +1,7 @@
 """FP32 logits through megatron-core's dynamic inference engine (what Megatron RL rollouts run).
 
 A real ``DynamicInferenceEngine`` (context, GPT inference wrapper, text-generation controller)
-generates on CPU ranks (``megapatch.testing.dynamic_inference_compat``). Spies on the controller
+generates on CPU ranks (``megapatch.testing.stand_ins.dynamic_inference_compat``). Spies on the controller
 record the logits its sampler and its log-prob computation receive, and the log-probs it computes;
 the oracle is the BF16 hidden states the output layer received times the full (TP-gathered) output
 weight in plain FP32, and its log-softmax. TP 1, TP 2, and PP 2 (the wrapper's pipeline methods,
@@ -15,7 +15,7 @@ from packaging.version import Version
 from megapatch.core.upstream_versions import version_of
 from megapatch.testing import run_ranks
 
-# the tiny engine builder (megapatch.testing.dynamic_inference_compat) knows the dynamic context's
+# the tiny engine builder (megapatch.testing.stand_ins.dynamic_inference_compat) knows the dynamic context's
 # constructor of 0.16 and of 0.17+; 0.13-0.15 take other arguments and are not covered here
 pytestmark = pytest.mark.skipif(Version(version_of("megatron-core") or "0") < Version("0.16"),
                                 reason="the dynamic-engine tests cover megatron-core >= 0.16 (0.16.1, "
@@ -43,7 +43,7 @@ def _spy(controller, name, found):
 def _rollouts(ctx, graph_buffer=False):
     import megapatch
     from megapatch.testing import build_tiny_gpt, gather_full_weights, tiny_gpt_config
-    from megapatch.testing.dynamic_inference_compat import dynamic_engine, dynamic_inference_workarounds, generate
+    from megapatch.testing.stand_ins.dynamic_inference_compat import dynamic_engine, dynamic_inference_workarounds, generate
 
     found = {}
     with dynamic_inference_workarounds():
@@ -230,7 +230,7 @@ def example_checkout(tmp_path_factory):
     from pathlib import Path
 
     from conftest import REPO
-    from megapatch.testing import megatron_lm_runs as mlm
+    from megapatch.testing.ranks import megatron_lm_runs as mlm
 
     missing = mlm.missing_training_modules() + [m for m in ("simpy", "transformers", "tokenizers")
                                                 if importlib.util.find_spec(m) is None]
@@ -242,7 +242,7 @@ def example_checkout(tmp_path_factory):
         pytest.skip(f"no Megatron-LM source: {tarball} is absent")
     root = tmp_path_factory.mktemp("example")
     checkout = mlm.unpack(tarball, root / "src")
-    from megapatch.testing.llama_hf import _tokenizer
+    from megapatch.testing.scenarios.llama_hf import _tokenizer
 
     _tokenizer(256).save_pretrained(str(root / "tokenizer"))
     for tp in (1, 2):
@@ -253,7 +253,7 @@ def example_checkout(tmp_path_factory):
 
 
 def _example_flags(tp, extra):
-    from megapatch.testing import megatron_lm_runs as mlm
+    from megapatch.testing.ranks import megatron_lm_runs as mlm
 
     # vocab 255 + EOD pads to 256 at TP 1 and 2 (the tokenizer's 256 too); lr 0 keeps the initial
     # weights, the same full model at both TP sizes
@@ -264,7 +264,7 @@ def _example_flags(tp, extra):
 def _run_example(example_checkout, tp, env):
     import json
 
-    from megapatch.testing import megatron_lm_runs as mlm
+    from megapatch.testing.ranks import megatron_lm_runs as mlm
 
     checkout, root = example_checkout
     out = root / f"out-{tp}-{len(env)}.json"
@@ -277,7 +277,7 @@ def _run_example(example_checkout, tp, env):
         "--inference-dynamic-batching-max-tokens", "512", "--output-path", str(out)])
     run = mlm.launch(checkout, flags, nproc=tp, timeout=300, script=EXAMPLE,
                      megapatch_env=env,
-                     entry=["-m", "megapatch.testing.dynamic_inference_compat"],
+                     entry=["-m", "megapatch.testing.ranks.dynamic_inference_launch"],
                      extra_env={"PYTHONPATH": str(checkout)})  # as upstream's launch scripts set it
     assert run.returncode == 0, run.tail()
     results = [r for r in json.loads(out.read_text()).values() if isinstance(r, dict) and "input_prompt" in r]

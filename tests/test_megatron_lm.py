@@ -1,5 +1,5 @@
 """Megatron-LM's own ``pretrain_gpt.py``, unmodified, on CPU ranks under
-``torchrun -m megapatch.testing.cpu_launch``, megapatch switched on by ``MEGAPATCH_*`` only.
+``torchrun -m megapatch.testing.ranks.cpu_launch``, megapatch switched on by ``MEGAPATCH_*`` only.
 
 Sources: the pinned tarballs in ``<repo>/../shared/megatron-lm/`` (or ``$MEGATRON_LM_TARBALLS``),
 unpacked once per session, or a user's checkout in ``$MEGATRON_LM_DIR``. The runs go through
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from megapatch.testing import megatron_lm_runs as mlm
+from megapatch.testing.ranks import megatron_lm_runs as mlm
 
 TARBALL_DIR = Path(os.environ.get("MEGATRON_LM_TARBALLS",
                                   Path(REPO).parent / "shared" / "megatron-lm"))
@@ -245,7 +245,7 @@ def test_tp_invariant_resume_at_another_tp_size_is_bit_identical(checkout, tmp_p
     TP=1 (GELU, LayerNorm, optimizer state resharded by Megatron's loader). Under the mode every
     per-token loss and every tensor of the final checkpoint (parameters, FP32 main parameters, Adam
     moments) equals the TP=2 resume's and the uninterrupted run's; without it, TP 4 drifts."""
-    from megapatch.testing import tp_resume
+    from megapatch.testing.scenarios import tp_resume
 
     _tp_invariant_revision(checkout)
     work = tmp_path_factory.mktemp("tp-resume")
@@ -410,7 +410,7 @@ def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
 
 
 def _doctor(flags, env):
-    from megapatch.testing.megatron_lm_runs import launch_env
+    from megapatch.testing.ranks.megatron_lm_runs import launch_env
 
     return subprocess.run([sys.executable, "-m", "megapatch", "doctor", "--", *flags], capture_output=True,
                           text=True, timeout=300, env=launch_env(env))
@@ -445,7 +445,7 @@ def test_mismatched_rank_stops_with_cross_rank_error(checkout, tmp_path):
     wrapper.write_text(
         '#!/bin/sh\n'
         'if [ "$LOCAL_RANK" = "1" ]; then export MEGAPATCH_TP_REDUCE_DTYPE=native; fi\n'
-        f'exec "{sys.executable}" -m megapatch.testing.cpu_launch "$@"\n')
+        f'exec "{sys.executable}" -m megapatch.testing.ranks.cpu_launch "$@"\n')
     start = time.monotonic()
     run, _ = _run(checkout, "tp2-mismatch", mlm.tiny_gpt_flags(tp=2, iters=2), nproc=2,
                   megapatch_env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "60"},
@@ -500,8 +500,8 @@ def test_launcher_stand_ins_restore_everything_and_only_report_types():
 
     result = run_python("""
         import torch
-        from megapatch.testing.cpu_compat import cpu_workarounds
-        from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds, WORKAROUNDS
+        from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
+        from megapatch.testing.stand_ins.megatron_lm_compat import megatron_lm_workarounds, WORKAROUNDS
         names = [w.attr for w in WORKAROUNDS if w.module == "torch.cuda"]
         before = {n: getattr(torch.cuda, n) for n in names}
         x = torch.ones(2, dtype=torch.bfloat16)
@@ -543,7 +543,7 @@ def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
 def test_the_launcher_warns_when_the_padded_vocabulary_depends_on_the_tp_size():
     """The example flags once used --vocab-size 512 with NullTokenizer: 513 rows pad to 640 / 768 /
     1024 at TP 1 / 2 / 4, a different model at each TP size (iteration-1 loss 6.486 vs 6.676)."""
-    from megapatch.testing.cpu_launch import padding_warning
+    from megapatch.testing.ranks.cpu_launch import padding_warning
 
     flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--tensor-model-parallel-size", "2"]
     warning = padding_warning(flags)

@@ -38,7 +38,7 @@ MODELS = {
 
 def _model(ctx, shape, **overrides):
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
-    from megapatch.testing.tiny_gpt import llama_config
+    from megapatch.testing.models.tiny_gpt import llama_config
 
     if shape.get("llama"):
         config = llama_config(tp=ctx.tp_size, **{**shape["config"], **overrides})
@@ -57,7 +57,7 @@ def _batch(shape, step):
 
 def _forward_backward(ctx, model, shape):
     from megapatch.testing import gather_tp_logits
-    from megapatch.testing.tiny_gpt import gather_full_grads
+    from megapatch.testing.models.tiny_gpt import gather_full_grads
 
     batch = _batch(shape, 0)
     with torch.no_grad():
@@ -71,7 +71,7 @@ def _forward_backward(ctx, model, shape):
 def _train(ctx, shape):
     """Forward/backward results of step 0, then 5 clipped AdamW steps."""
     from megapatch.testing import gather_full_weights
-    from megapatch.testing.tiny_gpt import build_bf16_optimizer, cuda_type_names
+    from megapatch.testing.models.tiny_gpt import build_bf16_optimizer, cuda_type_names
 
     model = _model(ctx, shape)
     optimizer = build_bf16_optimizer(model, clip_grad=CLIP)

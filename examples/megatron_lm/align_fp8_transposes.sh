@@ -7,7 +7,7 @@
 set -euo pipefail
 source "$(dirname "$0")/cpu_flags.sh"
 MEGAPATCH_ALIGN_FP8_TRANSPOSES=1 \
-torchrun --standalone --nproc-per-node 2 -m megapatch.testing.cpu_launch pretrain_gpt.py \
+torchrun --standalone --nproc-per-node 2 -m megapatch.testing.ranks.cpu_launch pretrain_gpt.py \
   "${MODEL[@]}" "${CPU_ONLY[@]}" --pipeline-model-parallel-size 2 \
   --num-layers-per-virtual-pipeline-stage 1 \
   --use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce "$@"

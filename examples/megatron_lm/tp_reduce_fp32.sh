@@ -6,5 +6,5 @@
 set -euo pipefail
 source "$(dirname "$0")/cpu_flags.sh"
 MEGAPATCH_TP_REDUCE_DTYPE="${MEGAPATCH_TP_REDUCE_DTYPE:-fp32}" \
-torchrun --standalone --nproc-per-node 2 -m megapatch.testing.cpu_launch pretrain_gpt.py \
+torchrun --standalone --nproc-per-node 2 -m megapatch.testing.ranks.cpu_launch pretrain_gpt.py \
   "${MODEL[@]}" "${CPU_ONLY[@]}" --tensor-model-parallel-size 2 "$@"

@@ -111,7 +111,7 @@ def _build(model_name: str, tp: int, **overrides):
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
     if model_name == "llama":
-        from megapatch.testing.tiny_gpt import llama_config
+        from megapatch.testing.models.tiny_gpt import llama_config
 
         return build_tiny_gpt(llama_config(tp, **LLAMA, **overrides), vocab_size=VOCAB, seq_len=SEQ,
                               seed=SEED, position_embedding_type="rope")

@@ -18,8 +18,8 @@ first access, so that importing this package (as every spawned rank does
 before it applies its ``env``) does not import torch or megatron.
 """
 
-from megapatch.testing.cpu_compat import cpu_workarounds, workarounds_active
-from megapatch.testing.harness import RankContext, RankFailure, RankTimeout, reinit_model_parallel, run_ranks
+from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds, workarounds_active
+from megapatch.testing.ranks.harness import RankContext, RankFailure, RankTimeout, reinit_model_parallel, run_ranks
 
 _TINY_GPT_NAMES = (
     "Batch",
@@ -44,7 +44,7 @@ __all__ = [
 
 def __getattr__(name):
     if name in _TINY_GPT_NAMES:
-        from megapatch.testing import tiny_gpt
+        from megapatch.testing.models import tiny_gpt
 
         return getattr(tiny_gpt, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

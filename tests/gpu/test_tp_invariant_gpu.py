@@ -61,7 +61,7 @@ def _run(tp, mode):
     import megapatch
     from megatron.core import parallel_state
     from megapatch.testing import build_tiny_gpt, gather_full_weights, make_batch, tiny_gpt_config
-    from megapatch.testing.tiny_gpt import build_bf16_optimizer, gather_full_grads, gather_tp_logits
+    from megapatch.testing.models.tiny_gpt import build_bf16_optimizer, gather_full_grads, gather_tp_logits
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)

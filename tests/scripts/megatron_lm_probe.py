@@ -1,4 +1,4 @@
-"""Test-only torchrun entry: ``megapatch.testing.cpu_launch`` plus a recorder of what reaches
+"""Test-only torchrun entry: ``megapatch.testing.ranks.cpu_launch`` plus a recorder of what reaches
 megatron's vocab-parallel cross entropy (the loss of Megatron-LM's ``loss_func``).
 
 Each call appends ``{"dtype": <logits dtype>, "loss": <sha256 of the per-token losses>, "values":
@@ -50,6 +50,6 @@ NORMS = os.path.join(os.environ["MEGATRON_LM_PROBE_DIR"], f"norms-rank{os.enviro
 wrapt.register_post_import_hook(_record_cross_entropy, "megatron.core.tensor_parallel.cross_entropy")
 wrapt.register_post_import_hook(_record_grad_norm, "megatron.core.optimizer.optimizer")
 
-from megapatch.testing.cpu_launch import main  # noqa: E402
+from megapatch.testing.ranks.cpu_launch import main  # noqa: E402
 
 main()

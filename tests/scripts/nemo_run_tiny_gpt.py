@@ -20,8 +20,8 @@ def main():
     world = dist.get_world_size()
     from megatron.core import parallel_state
 
-    from megapatch.testing.cpu_compat import cpu_workarounds
-    from megapatch.testing.tiny_gpt import (build_bf16_optimizer, build_tiny_gpt, cuda_type_names,
+    from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
+    from megapatch.testing.models.tiny_gpt import (build_bf16_optimizer, build_tiny_gpt, cuda_type_names,
                                             make_batch, tiny_gpt_config)
 
     with cpu_workarounds():

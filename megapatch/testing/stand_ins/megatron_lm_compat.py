@@ -1,7 +1,7 @@
 """CPU stand-ins for the CUDA-only calls of Megatron-LM's ``megatron/training`` (on top of
-:mod:`megapatch.testing.cpu_compat`, which covers megatron-core).
+:mod:`megapatch.testing.stand_ins.cpu_compat`, which covers megatron-core).
 
-Used by :mod:`megapatch.testing.cpu_launch` to run an unmodified Megatron-LM script (e.g.
+Used by :mod:`megapatch.testing.ranks.cpu_launch` to run an unmodified Megatron-LM script (e.g.
 ``pretrain_gpt.py``) on CPU ranks. Same contract as ``cpu_compat``: CUDA-only calls are redirected,
 no numerics change, nothing in Megatron-LM's files is edited, and every replacement is listed in
 :data:`WORKAROUNDS` with the upstream call it replaces:
@@ -60,7 +60,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, Tuple
 
-from megapatch.testing.cpu_compat import Replacements, Workaround
+from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround
 
 __all__ = ["megatron_lm_workarounds", "WORKAROUNDS", "TYPE_REPORT"]
 
@@ -114,7 +114,7 @@ def _allow_no_cuda(original):
     signature = inspect.signature(original)
     if "allow_no_cuda" not in signature.parameters:
         raise RuntimeError(
-            "megapatch.testing.cpu_launch: megatron.training.initialize.initialize_megatron has no "
+            "megapatch.testing.ranks.cpu_launch: megatron.training.initialize.initialize_megatron has no "
             f"'allow_no_cuda' parameter (signature {signature}); this Megatron-LM is not supported")
 
     @functools.wraps(original)
@@ -238,7 +238,7 @@ class _Applied:
             if workaround.optional:
                 return
             raise RuntimeError(
-                f"megapatch.testing.cpu_launch: {workaround.module}.{workaround.attr} not found "
+                f"megapatch.testing.ranks.cpu_launch: {workaround.module}.{workaround.attr} not found "
                 f"(needed for: {workaround.replaces}); this Megatron-LM is not supported")
         self.replacements.replace(owner, leaf, workaround.make)
 
@@ -258,7 +258,7 @@ def _on_import(applied: _Applied, module_name: str,
 def megatron_lm_workarounds(extra: Tuple[Workaround, ...] = ()) -> Iterator[None]:
     """Applies :data:`WORKAROUNDS` then ``extra`` (``torch.cuda`` now, Megatron-LM modules when
     imported) and the ``Tensor.type()`` report on this thread; restores everything on exit. Not
-    re-entrant. ``extra``: e.g. the converter's stand-ins (:mod:`megapatch.testing.convert_compat`)."""
+    re-entrant. ``extra``: e.g. the converter's stand-ins (:mod:`megapatch.testing.stand_ins.convert_compat`)."""
     import wrapt
 
     applied = _Applied()

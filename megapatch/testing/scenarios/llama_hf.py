@@ -8,10 +8,10 @@ share:
   outlier channels (below);
 * :func:`convert`: Megatron-LM's ``tools/checkpoint/convert.py --loader llama_mistral
   --checkpoint-type hf --saver core --saver-transformer-impl local`` under
-  :mod:`megapatch.testing.convert_launch`;
+  :mod:`megapatch.testing.ranks.convert_launch`;
 * :func:`forward`: Megatron-LM's ``initialize_megatron`` / ``get_model`` / ``load_checkpoint`` with
-  the Llama flags (:func:`megatron_flags`) under ``torchrun -m megapatch.testing.cpu_launch``
-  (:mod:`megapatch.testing.llama_forward`), every megapatch mode in one process per TP size;
+  the Llama flags (:func:`megatron_flags`) under ``torchrun -m megapatch.testing.ranks.cpu_launch``
+  (:mod:`megapatch.testing.scenarios.llama_forward`), every megapatch mode in one process per TP size;
 * :func:`hf_logits`: the independent oracle, transformers' own forward of the same HF weights;
 * the metrics (:func:`compare`, :func:`drift`).
 
@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from megapatch.testing import megatron_lm_runs
+from megapatch.testing.ranks import megatron_lm_runs
 
 DELIMITER = 7  # the token with the massive activation ("." in the word-level vocabulary)
 DELIMITER_SCALE = 4.0
@@ -180,7 +180,7 @@ def hf_logits(hf_dir, token_batch, dtype: str = "fp32"):
 def convert_command(hf_dir, out_dir, tp: int, model_size: str = "llama3",
                     tokenizer_dir=None) -> List[str]:
     """The converter command (run from the Megatron-LM checkout)."""
-    return [sys.executable, "-m", "megapatch.testing.convert_launch", "tools/checkpoint/convert.py",
+    return [sys.executable, "-m", "megapatch.testing.ranks.convert_launch", "tools/checkpoint/convert.py",
             "--model-type", "GPT", "--loader", "llama_mistral", "--checkpoint-type", "hf",
             "--model-size", model_size, "--load-dir", str(hf_dir),
             "--tokenizer-model", str(tokenizer_dir if tokenizer_dir is not None else hf_dir),
@@ -261,7 +261,7 @@ def pretrain_flags(config: Mapping, ckpt, tp: int, seq: int, *, iters: int = 20,
 def forward(checkout, flags: Sequence[str], *, tp: int, tokens_path, out_path,
             modes: Sequence[str] = tuple(MODES), vocab: int, timeout: float = 600.0,
             megapatch_env: Optional[Mapping[str, str]] = None) -> megatron_lm_runs.Run:
-    """``torchrun -m megapatch.testing.cpu_launch llama_forward.py FLAGS``: loads the checkpoint
+    """``torchrun -m megapatch.testing.ranks.cpu_launch llama_forward.py FLAGS``: loads the checkpoint
     once and runs the token batch forward in each mode (``megapatch.enable``/``disable`` between
     forwards); rank 0 saves ``{mode: {"logits", "logits_dtype"} or {"refused": message}}`` to
     ``out_path``."""

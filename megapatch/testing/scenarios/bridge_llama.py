@@ -5,7 +5,7 @@ Used by ``benchmarks/bridge_llama.py`` and ``tests/test_bridge.py``. One job of 
 variables of the job only (the ranks never call ``megapatch.enable``; the startup hook activates
 it). Inside the job, :func:`forward_tp1_tp2`:
 
-1. imports Bridge (:func:`megapatch.testing.bridge_compat.import_bridge`: no TE here);
+1. imports Bridge (:func:`megapatch.testing.stand_ins.bridge_compat.import_bridge`: no TE here);
 2. ``AutoBridge.from_hf_pretrained(hf_dir)`` and ``bridge.to_megatron_provider(load_weights=True)``:
    Bridge's own HF -> megatron-core mapping (its ``LlamaBridge``) and weight loading;
 3. sets on the provider what a CPU run needs and nothing else: ``tensor_model_parallel_size``,
@@ -101,7 +101,8 @@ def forward_tp1_tp2(ctx, hf_dir: str, tokens_path: str, vocab: int, bf16: bool =
     import torch
 
     import megapatch
-    from megapatch.testing import bridge_compat, reinit_model_parallel
+    from megapatch.testing import reinit_model_parallel
+    from megapatch.testing.stand_ins import bridge_compat
 
     bridge_compat.import_bridge()
     tokens = torch.load(tokens_path)

@@ -78,7 +78,7 @@ SCOPED_STAND_INS = {
 NEEDS_TE_AT_IMPORT: Tuple[str, ...] = tuple(SCOPED_STAND_INS)
 STAND_IN_NAMES: Tuple[str, ...] = tuple(n for names in SCOPED_STAND_INS.values() for n in names)
 _TOPS = tuple(sorted({n.split(".")[0] for n in STAND_IN_NAMES}))
-_LABEL = "megapatch.testing.bridge_compat TE import stand-in"
+_LABEL = "megapatch.testing.stand_ins.bridge_compat TE import stand-in"
 
 
 class TEStandInError(RuntimeError):
@@ -206,10 +206,10 @@ def import_bridge():
         return importlib.import_module("megatron.bridge")
 
 
-# --- Bridge's training loop on CPU ranks (megapatch.testing.cpu_launch --bridge) -----------------
+# --- Bridge's training loop on CPU ranks (megapatch.testing.ranks.cpu_launch --bridge) -----------------
 
-from megapatch.testing.cpu_compat import Workaround  # noqa: E402
-from megapatch.testing.megatron_lm_compat import _allow_no_cuda, _one_cuda_device  # noqa: E402
+from megapatch.testing.stand_ins.cpu_compat import Workaround  # noqa: E402
+from megapatch.testing.stand_ins.megatron_lm_compat import _allow_no_cuda, _one_cuda_device  # noqa: E402
 
 _B_INIT = "megatron.bridge.training.initialize"
 

@@ -1,4 +1,4 @@
-"""Drive Megatron-LM's ``pretrain_gpt.py`` under :mod:`megapatch.testing.cpu_launch` (tests, the
+"""Drive Megatron-LM's ``pretrain_gpt.py`` under :mod:`megapatch.testing.ranks.cpu_launch` (tests, the
 loss-table benchmark, a user's CI): find or unpack a checkout, build the flags of a tiny GPT, launch
 ``torchrun`` with ``MEGAPATCH_*`` variables only, and read back the losses Megatron-LM prints.
 
@@ -131,10 +131,10 @@ def launch(checkout: Path, flags: Sequence[str], *, nproc: int = 1,
            extra_env: Optional[Mapping[str, str]] = None, script: str = "pretrain_gpt.py") -> Run:
     """``torchrun --standalone --nproc-per-node N <entry> <script> <flags>`` from the checkout root.
 
-    ``entry`` defaults to ``-m megapatch.testing.cpu_launch`` with this interpreter; a test may
+    ``entry`` defaults to ``-m megapatch.testing.ranks.cpu_launch`` with this interpreter; a test may
     pass another (e.g. ``["--no-python", "sh", "wrapper.sh"]``). The whole process group is
     killed at ``timeout``."""
-    entry = list(entry) if entry is not None else ["-m", "megapatch.testing.cpu_launch"]
+    entry = list(entry) if entry is not None else ["-m", "megapatch.testing.ranks.cpu_launch"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), *entry, script, *flags]
     return launch_command(checkout, command, megapatch_env=megapatch_env, timeout=timeout,

@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megapatch.testing.cpu_compat import cpu_workarounds
+from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
 
 # Seed offset between model chunks, so pipeline stages / virtual chunks do not
 # start from identical layer weights.

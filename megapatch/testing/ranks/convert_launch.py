@@ -2,16 +2,16 @@
 
 Usage (from the Megatron-LM checkout, one process: the converter forks its own saver)::
 
-    python -m megapatch.testing.convert_launch tools/checkpoint/convert.py --model-type GPT \\
+    python -m megapatch.testing.ranks.convert_launch tools/checkpoint/convert.py --model-type GPT \\
         --loader llama_mistral --checkpoint-type hf --model-size llama3 \\
         --load-dir HF_DIR --tokenizer-model HF_DIR \\
         --saver core --saver-transformer-impl local --save-dir OUT --target-tensor-parallel-size 2
 
 The script runs as ``__main__`` with ``sys.path[0]`` set to its directory, exactly as ``python
 tools/checkpoint/convert.py`` does. Around it, the CUDA-only calls are redirected to the stand-ins of
-:mod:`megapatch.testing.cpu_compat`, :mod:`megapatch.testing.megatron_lm_compat` and
-:mod:`megapatch.testing.convert_compat` (the converter's own, C1-C11 there) through the same
-apply/restore mechanism as :mod:`megapatch.testing.cpu_launch`. The forked saver inherits them.
+:mod:`megapatch.testing.stand_ins.cpu_compat`, :mod:`megapatch.testing.stand_ins.megatron_lm_compat` and
+:mod:`megapatch.testing.stand_ins.convert_compat` (the converter's own, C1-C11 there) through the same
+apply/restore mechanism as :mod:`megapatch.testing.ranks.cpu_launch`. The forked saver inherits them.
 
 One thing the launcher adds on purpose: ``convert.py`` only ``join()``s its saver process
 (``tools/checkpoint/convert.py:160-166``), so it exits 0 when the saver dies (e.g. ``ValueError:
@@ -30,8 +30,8 @@ import runpy
 import sys
 from typing import List, Optional
 
-USAGE = "usage: python -m megapatch.testing.convert_launch tools/checkpoint/convert.py [convert.py args...]"
-PREFIX = "megapatch.testing.convert_launch"
+USAGE = "usage: python -m megapatch.testing.ranks.convert_launch tools/checkpoint/convert.py [convert.py args...]"
+PREFIX = "megapatch.testing.ranks.convert_launch"
 #: exit code when convert.py returned but a process it started (the saver) failed
 SAVER_FAILED = 1
 #: seconds the loader may keep running after the saver died before the launcher ends the job
@@ -62,7 +62,7 @@ def _watch(script: str, started: list, done) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    from megapatch.testing.cpu_launch import script_from
+    from megapatch.testing.ranks.cpu_launch import script_from
 
     script = script_from(argv, USAGE, PREFIX)
     # what validate_args requires for TP > 1 before Blackwell (arguments.py:951), as on a GPU
@@ -70,9 +70,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     import multiprocessing.process
 
-    from megapatch.testing.convert_compat import CONVERTER_WORKAROUNDS
-    from megapatch.testing.cpu_compat import Replacements, cpu_workarounds
-    from megapatch.testing.megatron_lm_compat import megatron_lm_workarounds
+    from megapatch.testing.stand_ins.convert_compat import CONVERTER_WORKAROUNDS
+    from megapatch.testing.stand_ins.cpu_compat import Replacements, cpu_workarounds
+    from megapatch.testing.stand_ins.megatron_lm_compat import megatron_lm_workarounds
 
     started: list = []
 

@@ -1,6 +1,6 @@
 """CPU stand-ins that let megatron-core's *dynamic* inference engine run unmodified on CPU ranks.
 
-Used inside :func:`~megapatch.testing.cpu_compat.cpu_workarounds` (which the harness enters):
+Used inside :func:`~megapatch.testing.stand_ins.cpu_compat.cpu_workarounds` (which the harness enters):
 :func:`dynamic_inference_workarounds` adds the replacements in :data:`WORKAROUNDS`, applied and
 restored through the same ``Replacements`` helper, plus a thread-local torch-function mode that
 drops ``pin_memory=True`` (a transfer-speed property: the values are the same without it).
@@ -15,8 +15,8 @@ probabilities·V. So a rollout and the training forward run the same attention a
 what separates them is the cache, the query shapes (one token per decode step) and the logits.
 flash-attn itself accumulates in FP32 with an online softmax: its own rounding is not modelled.
 
-``python -m megapatch.testing.dynamic_inference_compat SCRIPT.py ...`` (under torchrun) is the CPU
-launcher (``megapatch.testing.cpu_launch``) with these stand-ins around the script as well: it runs
+``python -m megapatch.testing.ranks.dynamic_inference_launch SCRIPT.py ...`` (under torchrun) is the CPU
+launcher (``megapatch.testing.ranks.cpu_launch``) with these stand-ins around the script as well: it runs
 upstream's ``examples/inference/gpt/gpt_dynamic_inference.py``. :func:`dynamic_engine` and
 :func:`generate` build and drive a tiny engine in-process (0.16's and 0.17+'s constructors).
 
@@ -36,7 +36,7 @@ from typing import Iterator, Tuple
 
 import torch
 
-from megapatch.testing.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
+from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
 
 __all__ = ["dynamic_inference_workarounds", "WORKAROUNDS", "paged_causal_attention", "dynamic_engine",
            "generate"]
@@ -335,15 +335,3 @@ def generate(engine, prompts, tokens: int, temperature: float = 1.0, top_k: int 
     return [(list(r.generated_tokens), list(r.generated_log_probs), list(r.prompt_log_probs or ()))
             for r in merged]
 
-
-def main(argv=None) -> None:
-    """``torchrun -m megapatch.testing.dynamic_inference_compat SCRIPT.py ...``: the CPU launcher
-    (``megapatch.testing.cpu_launch``) with the dynamic engine's stand-ins around the script too."""
-    from megapatch.testing import cpu_launch
-
-    with dynamic_inference_workarounds():
-        cpu_launch.main(argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ included); the runs are compared as tensors, not as printed digits.
 * grad norms and losses as Megatron-LM prints them.
 
 Nothing here imports torch at module level; each run is a ``torchrun`` job
-(:mod:`megapatch.testing.megatron_lm_runs`).
+(:mod:`megapatch.testing.ranks.megatron_lm_runs`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from megapatch.testing import megatron_lm_runs as mlm
+from megapatch.testing.ranks import megatron_lm_runs as mlm
 
 #: a GELU GPT with LayerNorm; vocab 255 + EOD pads to 256 rows at TP 1, 2 and 4
 #: (``--make-vocab-size-divisible-by 32``: 32 x TP divides 256), so every TP size loads the same

@@ -2,20 +2,20 @@
 
 Run under the CPU launcher (one process per rank, as on GPUs)::
 
-    MEGAPATCH_TP_REDUCE_DTYPE=fp32 torchrun --nproc-per-node 2 -m megapatch.testing.cpu_launch \\
-        --bridge megapatch/testing/bridge_train.py --hf DIR --tp 2 --iters 5
+    MEGAPATCH_TP_REDUCE_DTYPE=fp32 torchrun --nproc-per-node 2 -m megapatch.testing.ranks.cpu_launch \\
+        --bridge megapatch/testing/scenarios/bridge_train.py --hf DIR --tp 2 --iters 5
 
 What runs is Bridge's: the recipe base ``megatron.bridge.recipes.common._pretrain_common()``
 (mock GPT data, Bridge's optimizer/scheduler/DDP/logging configuration), its ``cfg.model`` set to
 the provider ``AutoBridge.from_hf_pretrained(DIR).to_megatron_provider(load_weights=True)`` gives
-for the HF Llama (with :func:`megapatch.testing.bridge_llama.configure_provider`'s CPU settings),
+for the HF Llama (with :func:`megapatch.testing.scenarios.bridge_llama.configure_provider`'s CPU settings),
 then ``megatron.bridge.training.pretrain.pretrain(cfg, gpt_step.forward_step)``. Overridden for a
 CPU run of a few steps: iterations, batch sizes, sequence length, gloo, no checkpoint saving,
 no evaluation, no tensorboard, the plain (non-distributed) Adam with no overlapped
 communication, a constant learning rate. megapatch is switched by ``MEGAPATCH_*`` only.
 
 The CUDA-only calls of Bridge's training loop are replaced by the launcher's labelled stand-ins
-(:data:`megapatch.testing.bridge_compat.TRAINING_WORKAROUNDS`).
+(:data:`megapatch.testing.stand_ins.bridge_compat.TRAINING_WORKAROUNDS`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _config(args):
     from megatron.bridge.recipes.common import _pretrain_common
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
 
-    from megapatch.testing.bridge_llama import configure_provider
+    from megapatch.testing.scenarios.bridge_llama import configure_provider
 
     cfg = _pretrain_common()
     provider = AutoBridge.from_hf_pretrained(args.hf).to_megatron_provider(load_weights=True)

@@ -1,7 +1,7 @@
 """CPU stand-ins for Megatron-LM's checkpoint converter (``tools/checkpoint/convert.py``), on top of
-:mod:`megapatch.testing.megatron_lm_compat` and :mod:`megapatch.testing.cpu_compat`.
+:mod:`megapatch.testing.stand_ins.megatron_lm_compat` and :mod:`megapatch.testing.stand_ins.cpu_compat`.
 
-Used by :mod:`megapatch.testing.convert_launch` to run the unmodified converter of the pinned
+Used by :mod:`megapatch.testing.ranks.convert_launch` to run the unmodified converter of the pinned
 Megatron-LM (``core_v0.16.1``: ``--loader llama_mistral --checkpoint-type hf --saver core
 --saver-transformer-impl local``) on a CPU-only torch without Transformer Engine. Same contract as
 the other stand-in modules: nothing in Megatron-LM's files is edited, the converted weights are the
@@ -64,7 +64,7 @@ import os
 import sys
 from typing import Tuple
 
-from megapatch.testing.cpu_compat import Workaround
+from megapatch.testing.stand_ins.cpu_compat import Workaround
 
 __all__ = ["CONVERTER_WORKAROUNDS", "FORCED_OFF"]
 

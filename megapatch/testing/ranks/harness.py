@@ -8,7 +8,7 @@ Contract of :func:`run_ranks`:
   megatron's import already see them).  Each child limits torch to one
   thread, joins a gloo process group through a ``FileStore`` in a fresh
   temporary directory, initialises megatron's ``parallel_state`` and enters
-  :func:`~megapatch.testing.cpu_compat.cpu_workarounds`.
+  :func:`~megapatch.testing.stand_ins.cpu_compat.cpu_workarounds`.
 * ``fn(ctx, *args, **kwargs)`` must be a module-level function (it is pickled
   by reference; the child imports its module) and must return a picklable
   value.  The parent returns the values in rank order.
@@ -233,7 +233,7 @@ def _run_user_fn(spec: _RankSpec, payload: bytes) -> Any:
     ctx = _megatron_context(ctx)
     guard = contextlib.nullcontext()
     if spec.workarounds:
-        from megapatch.testing.cpu_compat import cpu_workarounds
+        from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
 
         guard = cpu_workarounds()
     with guard:

@@ -1,8 +1,8 @@
 """Forward of a converted Megatron-LM checkpoint, once per megapatch mode, in one job.
 
-Run by :func:`megapatch.testing.llama_hf.forward` as::
+Run by :func:`megapatch.testing.scenarios.llama_hf.forward` as::
 
-    torchrun --nproc-per-node TP -m megapatch.testing.cpu_launch .../llama_forward.py \\
+    torchrun --nproc-per-node TP -m megapatch.testing.ranks.cpu_launch .../llama_forward.py \\
         <Megatron-LM Llama flags> --mp-tokens T.pt --mp-out OUT.pt --mp-modes native,fp32,... --mp-vocab V
 
 from the Megatron-LM checkout. It uses Megatron-LM's own ``initialize_megatron``, ``get_model``
@@ -39,7 +39,7 @@ def main() -> None:
 
     import megapatch
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.testing.llama_hf import MODES
+    from megapatch.testing.scenarios.llama_hf import MODES
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.training import get_args

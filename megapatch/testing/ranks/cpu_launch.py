@@ -1,0 +1,154 @@
+"""Run an unmodified Megatron-LM training script on CPU ranks (gloo).
+
+Usage (one process per rank, as on GPUs)::
+
+    CUDA_DEVICE_MAX_CONNECTIONS=1 MEGAPATCH_TP_REDUCE_DTYPE=fp32 \\
+    torchrun --nproc-per-node 2 -m megapatch.testing.ranks.cpu_launch pretrain_gpt.py \\
+        --distributed-backend gloo --use-cpu-initialization --transformer-impl local ... 
+
+The script runs as ``__main__`` with ``sys.path[0]`` set to its directory, exactly as
+``python pretrain_gpt.py`` does, so ``megatron`` is the checkout's, not an installed wheel's.
+Around it, the CUDA-only calls of megatron-core (:mod:`megapatch.testing.stand_ins.cpu_compat`) and of
+Megatron-LM's ``megatron/training`` (:mod:`megapatch.testing.stand_ins.megatron_lm_compat`) are redirected to
+CPU stand-ins; each is listed with the upstream call it replaces in those modules' docstrings and
+``WORKAROUNDS`` tables. No numerics change and no Megatron-LM file is edited.
+
+The launcher never enables megapatch itself: ``MEGAPATCH_*`` variables activate it through the
+installed startup hook, as in any other launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+USAGE = ("usage: torchrun [torchrun options] -m megapatch.testing.ranks.cpu_launch [--bridge] SCRIPT.py "
+         "[script args...]\n  --bridge: a Megatron-Bridge script (its training loop's CUDA stand-ins, "
+         "megapatch.testing.stand_ins.bridge_compat; Bridge imported without Transformer Engine)")
+
+
+def _banner(script: str, bridge: bool = False) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return
+    from megapatch.testing.stand_ins import cpu_compat, megatron_lm_compat
+
+    count = len(cpu_compat.WORKAROUNDS) + len(megatron_lm_compat.WORKAROUNDS) + 2
+    modules = "megapatch.testing.stand_ins.cpu_compat, megatron_lm_compat"
+    if bridge:
+        from megapatch.testing.stand_ins import bridge_compat
+
+        count += len(bridge_compat.TRAINING_WORKAROUNDS)
+        modules += ", bridge_compat; TE and nvidia-resiliency-ext as scoped import stand-ins"
+    print(f"megapatch.testing.ranks.cpu_launch: running {script} on CPU ranks with {count} CUDA "
+          f"stand-ins ({modules}); numerics unchanged", file=sys.stderr, flush=True)
+
+
+def _flag(argv: List[str], name: str, default: Optional[str] = None) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def padding_warning(argv: List[str]) -> Optional[str]:
+    """A warning when this job's padded vocabulary depends on the TP size: Megatron-LM pads
+    NullTokenizer's ``--vocab-size`` + 1 (EOD) to a multiple of ``--make-vocab-size-divisible-by``
+    x TP, so runs at different TP sizes would train different models (more output rows)."""
+    if _flag(argv, "--tokenizer-type") != "NullTokenizer" or _flag(argv, "--vocab-size") is None:
+        return None
+    try:
+        rows = int(_flag(argv, "--vocab-size")) + 1
+        divisible = int(_flag(argv, "--make-vocab-size-divisible-by", "128"))
+        tp = int(_flag(argv, "--tensor-model-parallel-size", "1"))
+    except ValueError:
+        return None
+    padded = {t: -(-rows // (divisible * t)) * divisible * t for t in (1, 2, 4, 8)}
+    here = -(-rows // (divisible * tp)) * divisible * tp
+    if len(set(padded.values()) | {here}) == 1:
+        return None
+    sizes = ", ".join(f"TP={t}: {p}" for t, p in padded.items())
+    return (f"megapatch.testing.ranks.cpu_launch: warning: the padded vocabulary depends on the TP size "
+            f"(--vocab-size {rows - 1} + EOD padded to a multiple of {divisible} x TP: {sizes}; this "
+            f"job, TP={tp}: {here}), so runs at different TP sizes train different models. For TP "
+            f"comparisons use --vocab-size {padded[8] - 1} (pads to {padded[8]} at every TP size up to 8).")
+
+
+def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
+    """The script of a launcher's command line, set up as ``python SCRIPT.py args...`` would be:
+    its own argv, its directory first on ``sys.path``. ``--help`` and a missing script exit."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage, file=sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        print(f"{prefix}: script not found: {argv[0]}\n{usage}", file=sys.stderr)
+        raise SystemExit(2)
+    sys.argv = [script, *argv[1:]]
+    sys.path[0] = os.path.dirname(script)
+    return script
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bridge = bool(argv) and argv[0] == "--bridge"
+    if bridge:
+        argv = argv[1:]
+    script = script_from(argv, USAGE, "megapatch.testing.ranks.cpu_launch")
+    _banner(script, bridge)
+    warning = padding_warning(sys.argv[1:])
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr, flush=True)
+
+    from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
+    from megapatch.testing.stand_ins.megatron_lm_compat import megatron_lm_workarounds
+
+    extra, scope = (), contextlib.nullcontext()
+    if bridge:
+        from megapatch.testing.stand_ins import bridge_compat
+
+        extra, scope = bridge_compat.TRAINING_WORKAROUNDS, bridge_compat.bridge_without_te()
+    try:
+        with scope, megatron_lm_workarounds(extra), cpu_workarounds():
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    except BaseException:  # noqa: BLE001 -- end this rank now: its peers may wait in a collective
+        # An exception unwinding normally can leave the interpreter waiting at exit on gloo's
+        # threads, so torchrun never sees the rank fail and the whole job hangs (seen with
+        # --save --ckpt-format torch_dist and psutil missing); exit at once, torchrun stops the rest.
+        # megapatch's own errors read as one line per rank (megapatch.core.rank_errors)
+        sys.excepthook(*sys.exc_info())
+        _leave(1)
+    # The script finished: leave without interpreter finalisation. Destroying torch's and gloo's
+    # C++ objects at exit can meet a still-joinable thread and std::terminate the rank ("terminate
+    # called without an active exception", SIGABRT, exit -6) after "[after training is done]" --
+    # intermittently, on Megatron-LM main at TP=2 in CI. Every result is written by now.
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Exit now, but first end this rank's multiprocessing children, which interpreter exit would
+    have ended: ``--ckpt-format torch_dist`` starts a ``Manager`` server process per rank
+    (``filesystem_async._get_write_results_queue``) that would outlive the rank, hold torchrun's
+    output pipe open and hang whoever reads the job's log."""
+    import multiprocessing
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=10)
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
