@@ -10,17 +10,19 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
 
 from megapatch.core.errors import CrossRankMismatchError
-from megapatch.testing import RankFailure, run_ranks
+from megapatch.testing import RankFailure, RankTimeout, run_ranks
 
 from conftest import REPO
 
-COLLECTIVE_DEADLINE_S = 30
+COLLECTIVE_DEADLINE_S = 120  # a hung collective fails the test; generous for a loaded machine
+# a check timeout no job here reaches: a refusal that came only at the timeout ends the job at its own
+# (much shorter) deadline instead, so "at once" is tested without measuring a time
+NEVER = "3600"
 
 
 def _bounded(fn, seconds=COLLECTIVE_DEADLINE_S):
@@ -56,14 +58,16 @@ def _reduce_once(ctx, per_rank_mode):
 
 
 def test_different_settings_in_one_tp_group_are_refused():
-    started = time.monotonic()
+    """Refused when the settings are exchanged, not at the check timeout: that is set far beyond
+    the job's own deadline, so a refusal that waited for it would end the job as a RankTimeout."""
     with pytest.raises(RankFailure) as err:
-        run_ranks(_reduce_once, world_size=2, tp=2, args=(["fp32", "fp32-accumulate"],), timeout=120)
+        run_ranks(_reduce_once, world_size=2, tp=2, args=(["fp32", "fp32-accumulate"],), timeout=300,
+                  env={"MEGAPATCH_CHECK_TIMEOUT": NEVER})
     text = str(err.value)
+    assert not isinstance(err.value, RankTimeout), text[-3000:]
     assert "CrossRankMismatchError" in text, text[-3000:]
     assert "megapatch settings differ across tensor-parallel group [0, 1]" in text
     assert "tp_reduce_dtype=fp32;" in text and "tp_reduce_dtype=fp32-accumulate;" in text
-    assert time.monotonic() - started < 100
 
 
 def test_a_peer_without_megapatch_is_named_after_the_timeout():
@@ -149,14 +153,14 @@ def test_a_native_or_switched_off_rank_is_named_at_once_in_the_megatron_lm_order
     script = os.path.join(REPO, "tests", "scripts", "megatron_lm_order_tp2.py")
     base = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
     base.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MEGAPATCH_CHECK_TIMEOUT="40")
+                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MEGAPATCH_CHECK_TIMEOUT=NEVER)
     procs = []
     for rank, variables in enumerate(({"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}, peer)):
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **variables)
         procs.append(subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, cwd=REPO))
     try:
-        out0, _ = procs[0].communicate(timeout=150)
+        out0, _ = procs[0].communicate(timeout=300)  # the job's deadline, far below the check timeout
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -164,10 +168,8 @@ def test_a_native_or_switched_off_rank_is_named_at_once_in_the_megatron_lm_order
             proc.communicate()
     lines = [line for line in out0.splitlines() if line.startswith("FAILED after")]
     assert lines, out0[-3000:]
-    seconds = float(lines[0].split()[2])
     assert "CrossRankMismatchError" in lines[0]
-    assert named in lines[0]
-    assert seconds < 20, lines[0]  # at model-parallel initialisation, not after the 40 s timeout
+    assert named in lines[0]  # at model-parallel initialisation: the check timeout is never reached
 
 
 def _replicas(ctx, per_rank_mode):
@@ -177,11 +179,10 @@ def _replicas(ctx, per_rank_mode):
     from megapatch.testing import reinit_model_parallel
 
     megapatch.enable(tp_reduce_dtype=per_rank_mode[ctx.rank])
-    started = time.monotonic()
     try:
         reinit_model_parallel(ctx, tp=2)
     except CrossRankMismatchError as exc:
-        return f"refused after {time.monotonic() - started:.1f} s: {exc}"
+        return f"refused: {exc}"
     return "ok"
 
 
@@ -189,12 +190,11 @@ def _replicas(ctx, per_rank_mode):
 def test_data_parallel_replicas_with_different_settings_are_refused(modes):
     """World 4 = TP 2 x DP 2, one replica fp32 and the other native: each TP group agrees, so only
     a whole-job check can tell; whichever replica rank 0 is in, a rank reports it in seconds."""
-    out = run_ranks(_replicas, world_size=4, args=(list(modes),), init_megatron=False, timeout=120,
-                    env={"MEGAPATCH_CHECK_TIMEOUT": "60"})
+    out = run_ranks(_replicas, world_size=4, args=(list(modes),), init_megatron=False, timeout=300,
+                    env={"MEGAPATCH_CHECK_TIMEOUT": NEVER})  # refused before the job's deadline: not the timeout
     refused = [text for text in out if text != "ok"]
     assert refused, out
     assert all("megapatch settings differ across the job (world size 4" in text for text in refused), refused
-    assert all(float(text.split()[2]) < 20 for text in refused), refused  # not the 60 s timeout
     assert run_ranks(_replicas, world_size=4, args=(["fp32"] * 4,), init_megatron=False,
                      timeout=120) == ["ok"] * 4
 
@@ -243,23 +243,21 @@ def _reconfigure_mid_run(ctx):
     first = _bounded(lambda: mappings.reduce_from_tensor_model_parallel_region(x.clone(), group=ctx.tp_group).tolist())
     megapatch.enable(tp_reduce_dtype="fp32-accumulate" if ctx.rank == 0 else "fp32")
     torch.distributed.barrier(group=ctx.tp_group)  # rank 0's new entry is published before either reduces
-    started = time.monotonic()
     try:
         _bounded(lambda: mappings.reduce_from_tensor_model_parallel_region(x.clone(), group=ctx.tp_group))
     except CrossRankMismatchError as exc:
-        return first, f"refused after {time.monotonic() - started:.1f} s: {exc}"
+        return first, f"refused: {exc}"
     except Exception as exc:  # noqa: BLE001 -- rank 1: its peer left the collective
         return first, f"failed: {type(exc).__name__}"
     return first, "reduced"
 
 
 def test_a_reconfiguration_to_other_settings_is_checked_again_not_hung():
-    out = run_ranks(_reconfigure_mid_run, world_size=2, tp=2, timeout=150, env={"MEGAPATCH_CHECK_TIMEOUT": "60"})
+    out = run_ranks(_reconfigure_mid_run, world_size=2, tp=2, timeout=300, env={"MEGAPATCH_CHECK_TIMEOUT": NEVER})
     assert [first for first, _ in out] == [[2.0] * 8] * 2
     second = out[0][1]
-    assert second.startswith("refused after"), out
+    assert second.startswith("refused:"), out  # within the grace period: the check timeout is never reached
     assert "rank 1 runs tp_reduce_dtype=fp32 (this rank: fp32-accumulate)" in second, second
-    assert float(second.split()[2]) < 20, second  # the grace period, not a hang or the 60 s timeout
 
 
 def test_reconfigured_forgets_verified_groups_and_arms_the_first_call_check(monkeypatch):

@@ -1,10 +1,10 @@
-"""Tests of megapatch.testing: the spawn harness, the CPU workarounds, the tiny GPT.
+"""Tests of megapatch.testing: the rank harness (ranks forked by the rank server, and spawned),
+each job starting fresh after one that left state behind, the CPU workarounds, the tiny GPT.
 
-Every multi-rank job pays for importing torch (and megatron) in each rank, a
-few seconds each on a small CPU machine, so the megatron checks share two
-module-scoped jobs: a 4-rank sweep over TP layouts and a 2-rank interleaved
-pipeline step.  Rank functions live at module level: ``run_ranks`` pickles
-them by reference.
+The megatron checks share two module-scoped jobs: a 4-rank sweep over TP layouts and a 2-rank
+interleaved pipeline step.  Rank functions live at module level: ``run_ranks`` pickles them by
+reference.  No test here bounds a wall-clock time: a rank that is not killed or a job that does not
+end fails by its pid outliving the job, or by the harness's or pytest's timeout.
 """
 
 import multiprocessing
@@ -46,16 +46,56 @@ def _raise_on_rank(ctx, bad_rank, pid_dir):
     return ctx.rank
 
 
-def _die_on_rank(ctx, bad_rank):
+def _die_on_rank(ctx, bad_rank, pid_dir):
+    _write_pid(ctx, pid_dir)
     if ctx.rank == bad_rank:
         os._exit(3)
     return ctx.rank
+
+
+def _leave_state_behind(ctx, pid_dir):
+    """Everything a careless test could leave in a rank process: megapatch enabled, megatron's
+    parallel state initialised, a module attribute set; then the rank dies without tearing down."""
+    import megapatch
+    import torch
+
+    _write_pid(ctx, pid_dir)
+    megapatch.enable(tp_reduce_dtype="fp32")
+    torch.megapatch_test_leak = ctx.rank
+    os.environ["MPT_HARNESS_LEAK"] = "1"
+    from megatron.core import parallel_state
+
+    assert parallel_state.model_parallel_is_initialized() and megapatch.is_enabled()
+    os._exit(0)
+
+
+def _what_a_new_job_sees(ctx, pid_dir):
+    import sys
+
+    import torch
+
+    _write_pid(ctx, pid_dir)
+    engine_before = "megapatch.core.engine" in sys.modules
+    import megapatch
+    from megatron.core import parallel_state
+
+    return dict(engine_before=engine_before, enabled=megapatch.is_enabled(),
+                parallel_state=parallel_state.model_parallel_is_initialized(),
+                leak=getattr(torch, "megapatch_test_leak", None), env=os.environ.get("MPT_HARNESS_LEAK"))
 
 
 def _hang_on_rank(ctx, bad_rank, pid_dir):
     _write_pid(ctx, pid_dir)
     if ctx.rank == bad_rank:
         time.sleep(3600)
+    return ctx.rank
+
+
+def _segfault_on_rank(ctx, bad_rank):
+    import signal
+
+    if ctx.rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGSEGV)
     return ctx.rank
 
 
@@ -184,19 +224,48 @@ def _assert_all_gone(pids):
 
 
 @pytest.mark.timeout(120)
-def test_values_come_back_in_rank_order(tmp_path):
+@pytest.mark.parametrize("start", ["server", "spawn"])
+def test_values_come_back_in_rank_order(tmp_path, start):
     assert run_ranks(_square_rank, world_size=3, args=(str(tmp_path),), init_megatron=False,
-                     timeout=90) == [0, 1, 4]
+                     timeout=90, start=start) == [0, 1, 4]
+    _assert_all_gone(_pids(tmp_path))
+
+
+@pytest.mark.timeout(240)
+def test_each_job_starts_fresh_after_one_that_left_state_behind(tmp_path):
+    """Issue 27 item 1: ranks forked by the rank server share nothing with an earlier job's ranks:
+    megapatch's engine not loaded, no parallel state, no module attribute or environment variable
+    of the earlier job; every rank a new process. (The installed megatron-core is preloaded by the
+    server; a Megatron-LM launch's ranks import their checkout's: tests/test_rank_server.py.)"""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    with pytest.raises(RankFailure, match="exited with code 0 without reporting"):
+        run_ranks(_leave_state_behind, world_size=2, tp=2, args=(str(first),), timeout=120)
+    seen = run_ranks(_what_a_new_job_sees, world_size=2, tp=1, args=(str(second),), init_megatron=False,
+                     timeout=120)
+    assert seen == [dict(engine_before=False, enabled=False, parallel_state=False, leak=None, env=None)] * 2, seen
+    assert not set(_pids(first)) & set(_pids(second)) and len(set(_pids(second))) == 2
+    _assert_all_gone(_pids(first) + _pids(second))
+
+
+@pytest.mark.timeout(240)
+def test_a_job_after_a_hung_or_crashed_job_runs_normally(tmp_path):
+    """A job killed at its timeout, then one whose rank dies by SIGSEGV, do not poison the next."""
+    with pytest.raises(RankTimeout):
+        run_ranks(_hang_on_rank, world_size=2, args=(0, str(tmp_path)), init_megatron=False, timeout=10)
+    with pytest.raises(RankFailure, match=r"rank 1 exited with code -11"):
+        run_ranks(_segfault_on_rank, world_size=2, args=(1,), init_megatron=False, timeout=60)
+    assert run_ranks(_square_rank, world_size=3, args=(str(tmp_path),), init_megatron=False,
+                     timeout=60) == [0, 1, 4]
     _assert_all_gone(_pids(tmp_path))
 
 
 @pytest.mark.timeout(120)
 def test_raising_rank_reports_rank_and_traceback_and_peers_are_killed(tmp_path):
-    start = time.monotonic()
     with pytest.raises(RankFailure) as info:
         run_ranks(_raise_on_rank, world_size=2, args=(1, str(tmp_path)), init_megatron=False,
                   timeout=90)
-    assert time.monotonic() - start < 60, "the blocked peer was not killed promptly"
     err = info.value
     assert err.rank == 1 and not isinstance(err, RankTimeout)
     assert "rank 1" in str(err)
@@ -207,20 +276,22 @@ def test_raising_rank_reports_rank_and_traceback_and_peers_are_killed(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_rank_dying_without_exception_is_a_failure():
+@pytest.mark.parametrize("start", ["server", "spawn"])
+def test_rank_dying_without_exception_is_a_failure(tmp_path, start):
     with pytest.raises(RankFailure, match=r"rank 0 exited with code 3") as info:
-        run_ranks(_die_on_rank, world_size=2, args=(0,), init_megatron=False, timeout=90)
+        run_ranks(_die_on_rank, world_size=2, args=(0, str(tmp_path)), init_megatron=False, timeout=90,
+                  start=start)
     assert info.value.rank == 0
     assert multiprocessing.active_children() == []
+    _assert_all_gone(_pids(tmp_path))
 
 
 @pytest.mark.timeout(120)
 def test_hanging_rank_is_killed_at_timeout(tmp_path):
-    start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         run_ranks(_hang_on_rank, world_size=2, args=(1, str(tmp_path)), init_megatron=False,
                   timeout=15)
-    assert 15 <= time.monotonic() - start < 40
+    # rank 0 reported before the deadline: the job waited for it, and only rank 1 is named
     assert info.value.ranks == [1] and "[1]" in str(info.value)
     assert len(_pids(tmp_path)) == 2
     _assert_all_gone(_pids(tmp_path))

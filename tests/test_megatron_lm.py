@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -446,16 +445,15 @@ def test_mismatched_rank_stops_with_cross_rank_error(checkout, tmp_path):
         '#!/bin/sh\n'
         'if [ "$LOCAL_RANK" = "1" ]; then export MEGAPATCH_TP_REDUCE_DTYPE=native; fi\n'
         f'exec "{sys.executable}" -m megapatch.testing.ranks.cpu_launch "$@"\n')
-    start = time.monotonic()
+    # the check timeout is far beyond the job's deadline: a refusal that waited for it times out
     run, _ = _run(checkout, "tp2-mismatch", mlm.tiny_gpt_flags(tp=2, iters=2), nproc=2,
-                  megapatch_env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "60"},
-                  entry=["--no-python", "sh", str(wrapper)], timeout=240)
+                  megapatch_env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "3600"},
+                  entry=["--no-python", "sh", str(wrapper)], timeout=300)
     assert not run.timed_out, run.tail()
     assert run.returncode != 0, run.tail()
     assert "CrossRankMismatchError" in run.log, run.tail()
     assert "tp_reduce_dtype=native (this rank: fp32)" in run.log, run.tail()
     assert not run.losses, "a mismatched job trained"
-    assert time.monotonic() - start < 200
 
 
 @pytest.fixture(scope="session")
@@ -533,11 +531,9 @@ def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
         "if dist.get_rank() == 1:\n"
         "    raise RuntimeError('psutil is not installed (stand-in for any rank failure)')\n"
         "dist.barrier()  # rank 0 waits for a peer that is gone\n")
-    start = time.monotonic()
-    run = mlm.launch(tmp_path, [], nproc=2, script=str(script), timeout=240)
-    assert not run.timed_out, run.tail()
+    run = mlm.launch(tmp_path, [], nproc=2, script=str(script), timeout=300)
+    assert not run.timed_out, run.tail()  # rank 0 would wait in its barrier until this deadline
     assert run.returncode != 0 and "psutil is not installed (stand-in" in run.log, run.tail()
-    assert time.monotonic() - start < 200
 
 
 def test_the_launcher_warns_when_the_padded_vocabulary_depends_on_the_tp_size():

@@ -62,7 +62,10 @@ def _watch(script: str, started: list, done) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    from megapatch.testing.ranks import rank_server
     from megapatch.testing.ranks.cpu_launch import script_from
+
+    rank_server.forward("megapatch.testing.ranks.convert_launch:main", (argv,))  # under $MPTEST_RANK_SERVER: run as its child
 
     script = script_from(argv, USAGE, PREFIX)
     # what validate_args requires for TP > 1 before Blackwell (arguments.py:951), as on a GPU

@@ -2,10 +2,15 @@
 
 Contract of :func:`run_ranks`:
 
-* ``world_size`` processes are started with the multiprocessing *spawn*
-  context (never fork).  The ``env`` variables are in each child's
-  environment from interpreter start-up (so ``.pth`` start-up hooks and
-  megatron's import already see them).  Each child limits torch to one
+* ``world_size`` processes are forked by this session's rank server
+  (:mod:`megapatch.testing.ranks.rank_server`: torch, the third-party stack and
+  the installed megatron-core imported once, megapatch not; without megatron
+  where ``env`` sets ``PYTHONPATH``), or started with the
+  multiprocessing *spawn* context (``start="spawn"``, or where the server
+  cannot run).  Either way each child is a new process with no parallel
+  state and megapatch off, and the ``env`` variables are in its environment
+  before megatron or megapatch is imported (the ``MEGAPATCH_*`` start-up
+  hook sees them as at interpreter start).  Each child limits torch to one
   thread, joins a gloo process group through a ``FileStore`` in a fresh
   temporary directory, initialises megatron's ``parallel_state`` and enters
   :func:`~megapatch.testing.stand_ins.cpu_compat.cpu_workarounds`.
@@ -17,7 +22,8 @@ Contract of :func:`run_ranks`:
   ranks are still running after ``timeout`` seconds, all are killed and
   :class:`RankTimeout` names the ranks that did not finish.  All children are
   reaped before ``run_ranks`` returns or raises, and they die with the parent
-  (``PR_SET_PDEATHSIG`` on Linux, a watchdog thread elsewhere).
+  (their connection to it closing; spawned: ``PR_SET_PDEATHSIG`` on Linux, a
+  watchdog thread elsewhere).
 * Each rank tears down ``parallel_state`` and the process group, also on
   error, then exits without interpreter finalisation (``atexit`` handlers
   registered by ``fn`` do not run).
@@ -119,6 +125,7 @@ class _RankSpec:
     parallel_kwargs: Dict[str, Any]
     stderr_dir: Optional[str] = None
     backend: str = "gloo"
+    forked_by_server: bool = False
 
 
 # --- megatron parallel state ----------------------------------------------------
@@ -275,7 +282,8 @@ def _rank_main(spec: _RankSpec, payload: bytes) -> None:
     An error is reported *before* teardown, so the parent learns of the real
     failure before peers fail on the torn-down group.
     """
-    _die_with_parent(spec.parent_pid)
+    if not spec.forked_by_server:  # a server's child dies with its connection to the parent
+        _die_with_parent(spec.parent_pid)
     if spec.stderr_dir:
         _redirect_stderr(os.path.join(spec.stderr_dir, f"rank{spec.rank}.stderr"))
     try:
@@ -394,6 +402,36 @@ def _wait_for_ranks(procs, tmpdir: str, timeout: float) -> List[Any]:
                                         timeout=_POLL_S)
 
 
+START_ENV = "MPTEST_RANKS_START"
+START_METHODS = ("server", "spawn")
+
+
+def _spawn(specs: Sequence[_RankSpec], payload: bytes, env: Mapping[str, Optional[str]]) -> Iterator[Any]:
+    mp = multiprocessing.get_context("spawn")
+    with _child_environment(env):
+        for spec in specs:
+            proc = mp.Process(target=_rank_main, args=(spec, payload), name=f"megapatch-rank{spec.rank}",
+                              daemon=True)
+            proc.start()
+            yield proc
+
+
+def _fork_from_server(specs: Sequence[_RankSpec], payload: bytes,
+                      env: Mapping[str, Optional[str]]) -> Iterator[Any]:
+    from megapatch.testing.ranks import rank_server
+
+    child_env = dict(os.environ)
+    for key, value in env.items():
+        if value is None:
+            child_env.pop(key, None)
+        else:
+            child_env[key] = str(value)
+    # the installed megatron-core preloaded too, unless the job points PYTHONPATH at another one
+    address = rank_server.address(preload="base" if "PYTHONPATH" in env else "megatron")
+    for spec in specs:
+        yield rank_server.request(address, f"{__name__}:_rank_main", (spec, payload), env=child_env)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -410,6 +448,7 @@ def run_ranks(
     parallel_kwargs: Optional[Mapping[str, Any]] = None,
     stderr_dir: Optional[str] = None,
     backend: str = "gloo",
+    start: Optional[str] = None,
 ) -> List[Any]:
     """Runs ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned CPU ranks.
 
@@ -425,7 +464,9 @@ def run_ranks(
     start-up included.  ``stderr_dir`` (an existing directory) receives each
     rank's stderr as ``rank{N}.stderr`` instead of the parent's (failures are
     still raised with their tracebacks).  ``backend="nccl"`` runs one rank per GPU (the GPU tests;
-    ``workarounds`` then stays off: CUDA is real).  Returns the per-rank values in rank order; raises
+    ``workarounds`` then stays off: CUDA is real).  ``start``: ``"server"`` (forked by the rank
+    server; the default on Linux) or ``"spawn"`` (fresh interpreters; the default elsewhere, and
+    wherever ``$MPTEST_RANKS_START=spawn``).  Returns the per-rank values in rank order; raises
     :class:`RankFailure` / :class:`RankTimeout` as the module doc says.
     """
     if world_size < 1:
@@ -434,20 +475,21 @@ def run_ranks(
         raise ValueError(f"backend={backend!r}; valid: gloo, nccl")
     if init_megatron and world_size % (tp * pp) != 0:
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
+    start = start or os.environ.get(START_ENV) or ("server" if sys.platform.startswith("linux") else "spawn")
+    if start not in START_METHODS:
+        raise ValueError(f"start={start!r} (or ${START_ENV}); valid: {', '.join(START_METHODS)}")
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     tmpdir = tempfile.mkdtemp(prefix="megapatch-ranks-")
-    mp = multiprocessing.get_context("spawn")
-    procs: List[multiprocessing.process.BaseProcess] = []
+    procs: List[Any] = []
     try:
-        with _child_environment(env or {}):
-            for rank in range(world_size):
-                spec = _RankSpec(rank, world_size, tp, pp, vpp, tmpdir, float(timeout), os.getpid(),
-                                 init_megatron, workarounds and init_megatron and backend == "gloo",
-                                 dict(parallel_kwargs or {}), stderr_dir, backend)
-                proc = mp.Process(target=_rank_main, args=(spec, payload),
-                                  name=f"megapatch-rank{rank}", daemon=True)
-                proc.start()
-                procs.append(proc)
+        specs = [_RankSpec(rank, world_size, tp, pp, vpp, tmpdir, float(timeout), os.getpid(),
+                           init_megatron, workarounds and init_megatron and backend == "gloo",
+                           dict(parallel_kwargs or {}), stderr_dir, backend, start == "server")
+                 for rank in range(world_size)]
+        if start == "server":
+            procs.extend(_fork_from_server(specs, payload, env or {}))
+        else:
+            procs.extend(_spawn(specs, payload, env or {}))
         return _wait_for_ranks(procs, tmpdir, timeout)
     finally:
         _kill_all(procs)

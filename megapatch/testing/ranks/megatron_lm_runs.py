@@ -125,20 +125,38 @@ def launch_env(megapatch_env: Mapping[str, str], base: Optional[Mapping[str, str
     return env
 
 
+def rank_server_env(start: Optional[str] = None) -> Dict[str, str]:
+    """``{MPTEST_RANK_SERVER: socket}`` where a launch's processes should run as children of this
+    process's rank server (:mod:`megapatch.testing.ranks.rank_server`: torch and the third-party
+    stack already imported; the default on Linux), ``{}`` where they start as fresh interpreters
+    (``start="spawn"`` or ``$MPTEST_RANKS_START=spawn``)."""
+    from megapatch.testing.ranks import harness, rank_server
+
+    start = start or os.environ.get(harness.START_ENV) or ("server" if sys.platform.startswith("linux") else "spawn")
+    if start not in harness.START_METHODS:
+        raise ValueError(f"start={start!r} (or ${harness.START_ENV}); valid: {', '.join(harness.START_METHODS)}")
+    return {rank_server.ENV: rank_server.address()} if start == "server" else {}
+
+
 def launch(checkout: Path, flags: Sequence[str], *, nproc: int = 1,
            megapatch_env: Optional[Mapping[str, str]] = None,
            entry: Optional[Sequence[str]] = None, timeout: float = 600.0,
-           extra_env: Optional[Mapping[str, str]] = None, script: str = "pretrain_gpt.py") -> Run:
+           extra_env: Optional[Mapping[str, str]] = None, script: str = "pretrain_gpt.py",
+           start: Optional[str] = None) -> Run:
     """``torchrun --standalone --nproc-per-node N <entry> <script> <flags>`` from the checkout root.
 
     ``entry`` defaults to ``-m megapatch.testing.ranks.cpu_launch`` with this interpreter; a test may
     pass another (e.g. ``["--no-python", "sh", "wrapper.sh"]``). The whole process group is
-    killed at ``timeout``."""
+    killed at ``timeout``. ``start``: each rank runs in a child of the rank server (``"server"``,
+    the default on Linux: torchrun's worker forwards to it) or in torchrun's worker itself
+    (``"spawn"``), as :func:`rank_server_env` says."""
     entry = list(entry) if entry is not None else ["-m", "megapatch.testing.ranks.cpu_launch"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    server = rank_server_env(start)
+    torchrun = "megapatch.testing.ranks.torchrun" if server else "torch.distributed.run"
+    command = [sys.executable, "-m", torchrun, "--standalone",
                "--nproc-per-node", str(nproc), *entry, script, *flags]
     return launch_command(checkout, command, megapatch_env=megapatch_env, timeout=timeout,
-                          extra_env=extra_env)
+                          extra_env={**server, **(extra_env or {})})
 
 
 def launch_command(checkout: Path, command: Sequence[str], *,

@@ -196,7 +196,7 @@ def convert(checkout, hf_dir, out_dir, tp: int, model_size: str = "llama3", *,
 
     command = convert_command(hf_dir, out_dir, tp, model_size, tokenizer_dir)
     env = megatron_lm_runs.launch_env({}, None)
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(megatron_lm_runs.rank_server_env(), CUDA_VISIBLE_DEVICES="")
     start = time.monotonic()
     try:
         done = subprocess.run(command, cwd=str(checkout), env=env, stdout=subprocess.PIPE,

@@ -1,0 +1,415 @@
+"""A process that has imported torch and the rest of the third-party stack once, and forks rank
+processes from that state on request.
+
+A rank started as a fresh interpreter spends seconds importing torch, its compiler stack
+(``torch._dynamo``, ``torch._inductor``), sympy and triton before it does milliseconds of a test's
+work; a 4-rank job on 2 cores pays that four times. The rank server pays it once per test session.
+
+Contract:
+
+* The server imports one profile of :data:`PROFILES` and never runs a torch operation, with every
+  ``MEGAPATCH_*`` variable removed from its environment. ``base`` (:data:`PRELOAD`) is third-party
+  modules only: what torchrun's workers run (a Megatron-LM checkout's ``pretrain_gpt.py`` imports
+  the checkout's own ``megatron``) starts as a fresh interpreter would, megatron not imported.
+  ``megatron`` adds the installed megatron-core's modules (:data:`MEGATRON_PRELOAD`), for
+  ``run_ranks`` jobs. Neither imports ``transformer_engine`` or megapatch: a child has no parallel
+  state and megapatch off, and imports megapatch itself (``tests/test_harness.py`` checks this after
+  a job that left parallel state, megapatch enabled and a module attribute behind).
+* A child takes its requester's stdin/stdout/stderr (passed as file descriptors), working directory,
+  environment, ``sys.path`` and ``sys.argv``. Where the environment has a ``MEGAPATCH_*`` variable,
+  megapatch's startup hook runs as the installed ``.pth`` file runs it at interpreter start.
+  ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``. What a child shares with the server
+  and its siblings: the string hash seed.
+* The child runs ``module:function(*args)`` and exits as a Python process would (``SystemExit``
+  codes; an uncaught exception prints its traceback and gives 1); ``atexit`` handlers run, then
+  ``os._exit``.
+* A child dies (SIGKILL) as soon as its requester's connection closes: a requester that is killed
+  leaves no orphan. The requester reads the child's pid first and its wait status last.
+* The server exits when the process that started it closes its stdin (exits, or is killed).
+
+:func:`forward` makes a thin process (what ``torchrun`` starts per rank) run its work in a child of
+the server named by ``MPTEST_RANK_SERVER`` and exit with the child's status, forwarding signals;
+:func:`request` is the same for a caller that manages the child itself (``run_ranks``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any, Dict, List, Optional, Sequence
+
+#: the variable naming a rank server's socket; a requester's child never sees it (its own
+#: subprocesses start as usual)
+ENV = "MPTEST_RANK_SERVER"
+#: imported once in the server: what megatron-core and Megatron-LM's training loop import from
+#: torch and third-party packages (measured with ``python -X importtime``); missing ones are skipped
+PRELOAD = (
+    "torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
+    "torch.distributed.tensor", "torch.distributed.tensor.experimental",
+    "torch.distributed.checkpoint", "torch.utils.cpp_extension", "torch.utils.data",
+    "numpy", "sympy", "networkx", "triton", "einops", "pydantic", "yaml", "regex", "psutil",
+    "setuptools",
+)
+#: added for ``run_ranks`` jobs on the installed megatron-core (``address(preload="megatron")``): a
+#: job that runs a Megatron-LM checkout's own ``megatron`` must not find another one imported
+MEGATRON_PRELOAD = (
+    "megatron.core", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
+    "megatron.core.transformer", "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
+)
+PROFILES = {"base": PRELOAD, "megatron": PRELOAD + MEGATRON_PRELOAD}
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2)
+_QWORD = struct.Struct("!q")
+_POLL_S = 0.05
+
+
+class RankServerError(RuntimeError):
+    """The rank server could not be started or reached, or went away before its child finished."""
+
+
+# --- wire format ----------------------------------------------------------------------------------
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> Optional[bytes]:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _recv_qword(sock: socket.socket) -> Optional[int]:
+    data = _recv_exactly(sock, _QWORD.size)
+    return None if data is None else _QWORD.unpack(data)[0]
+
+
+def _send_request(sock: socket.socket, request: Dict[str, Any], fds: Sequence[int]) -> None:
+    payload = pickle.dumps(request)
+    socket.send_fds(sock, [_QWORD.pack(len(payload))], list(fds))
+    sock.sendall(payload)
+
+
+def _recv_request(sock: socket.socket):
+    header, fds, _flags, _addr = socket.recv_fds(sock, _QWORD.size, 3)
+    rest = _recv_exactly(sock, _QWORD.size - len(header)) if len(header) < _QWORD.size else b""
+    if not header or rest is None:
+        return None, fds
+    payload = _recv_exactly(sock, _QWORD.unpack(header + rest)[0])
+    return (None if payload is None else pickle.loads(payload)), fds
+
+
+# --- server side ----------------------------------------------------------------------------------
+
+
+def serve(address: str, sys_path: List[str], profile: str = "base") -> None:
+    """Preload ``PROFILES[profile]``, listen on ``address``, fork a child per request until stdin closes."""
+    sys.path[:] = sys_path
+    for name in PROFILES[profile]:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- an optional package that is absent or broken: the child imports it itself
+            pass
+    allowed = ("megatron",) if profile == "megatron" else ()
+    leaked = [m for m in ("megatron", "transformer_engine", "megapatch.core.engine")
+              if m in sys.modules and m not in allowed]
+    if leaked:
+        raise RankServerError(f"the rank server's preload imported {leaked}: children would not start fresh")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    print("ready", flush=True)
+    children: Dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [], _POLL_S)
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            return  # whoever started the server is gone
+        if listener in readable:
+            conn, _ = listener.accept()
+            request, fds = _recv_request(conn)
+            if request is None:
+                conn.close()
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in children.values():
+                        other.close()
+                    _child(conn, request, fds)  # never returns
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                conn.sendall(_QWORD.pack(pid))
+        _reap(children)
+
+
+def _reap(children: Dict[int, socket.socket]) -> None:
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(_QWORD.pack(status))
+            except OSError:  # the requester is gone
+                pass
+            conn.close()
+
+
+def _die_with_requester(conn: socket.socket) -> None:
+    """Block until the requester's end closes (it sends nothing after the request), then die."""
+    try:
+        while conn.recv(1):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _child(conn: socket.socket, request: Dict[str, Any], fds: Sequence[int]) -> None:
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target_fd, fd in enumerate(fds):
+        os.dup2(fd, target_fd)
+        os.close(fd)
+    threading.Thread(target=_die_with_requester, args=(conn,), name="rank-server-requester",
+                     daemon=True).start()
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if not request.get("pass_server_on"):
+            os.environ.pop(ENV, None)
+        sys.path[:] = request["path"]
+        sys.argv[:] = request["argv"]
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads and threads.isdigit():
+            import torch
+
+            torch.set_num_threads(int(threads))
+        if any(name.startswith("MEGAPATCH_") for name in os.environ):  # as megapatch-startup.pth does
+            from megapatch.core import startup
+
+            startup.activate_from_environment()
+        if request.get("main"):  # the requester's __main__ as __mp_main__, as spawn does (pickled functions)
+            from multiprocessing import spawn
+
+            spawn.prepare(request["main"])
+        module, _, function = request["target"].partition(":")
+        getattr(importlib.import_module(module), function)(*request["args"])
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:  # noqa: BLE001 -- as an uncaught exception at interpreter level
+        try:
+            sys.excepthook(*sys.exc_info())
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+# --- requester side -------------------------------------------------------------------------------
+
+
+class Child:
+    """A server-forked process as the requester sees it (the parts of ``multiprocessing.Process``
+    that :func:`megapatch.testing.ranks.harness.run_ranks` uses)."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self._sock = sock
+        self.pid = pid
+        self._status: Optional[int] = None
+        self._lost = False
+
+    @property
+    def sentinel(self) -> int:
+        return self._sock.fileno()
+
+    def _poll(self, timeout: Optional[float]) -> None:
+        if self._status is not None or self._lost:
+            return
+        readable, _, _ = select.select([self._sock], [], [], timeout)
+        if readable:
+            status = _recv_qword(self._sock)
+            if status is None:
+                self._lost = True  # the server died: the child died with its connection
+            else:
+                self._status = status
+            self._sock.close()
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        self._poll(0)
+        if self._lost:
+            return -signal.SIGKILL
+        return None if self._status is None else os.waitstatus_to_exitcode(self._status)
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self._poll(timeout)
+
+    def close(self) -> None:
+        if self._sock.fileno() != -1:
+            self._sock.close()
+
+
+def request(address: str, target: str, args: Sequence[Any] = (), *, env: Optional[Dict[str, str]] = None,
+            fds: Sequence[int] = (0, 1, 2), cwd: Optional[str] = None, argv: Optional[List[str]] = None,
+            path: Optional[List[str]] = None, pass_server_on: bool = False) -> Child:
+    """Ask the server at ``address`` to fork a child that runs ``target`` (``module:function``) with
+    ``args``, this process's stdio (or ``fds``), cwd, environment (or ``env``), sys.path and argv.
+    ``pass_server_on``: the child keeps ``$MPTEST_RANK_SERVER`` (a launcher whose workers forward too)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)
+        _send_request(sock, {"target": target, "args": tuple(args),
+                             "env": dict(os.environ if env is None else env),
+                             "cwd": cwd or os.getcwd(), "path": list(sys.path if path is None else path),
+                             "argv": list(sys.argv if argv is None else argv), "main": _main_module(),
+                             "pass_server_on": pass_server_on},
+                      fds)
+        pid = _recv_qword(sock)
+    except OSError as exc:
+        sock.close()
+        raise RankServerError(f"the rank server at {address} cannot be reached ({exc})") from exc
+    if pid is None:
+        sock.close()
+        raise RankServerError(f"the rank server at {address} closed the connection before forking")
+    return Child(sock, pid)
+
+
+def _main_module() -> Dict[str, str]:
+    """How a child finds the requester's ``__main__`` (multiprocessing's spawn preparation data)."""
+    from multiprocessing import spawn
+
+    data = spawn.get_preparation_data("rank")
+    return {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
+
+
+def forward(target: str, args: Sequence[Any] = (), *, pass_server_on: bool = False) -> None:
+    """Run ``target(*args)`` in a child of the server named by ``$MPTEST_RANK_SERVER`` and exit with
+    its status; signals this process receives (torchrun's SIGTERM) go to the child, and the child is
+    killed when this process's parent goes away (as a worker of a killed torchrun). Returns at once,
+    doing nothing, where the variable is unset."""
+    address = os.environ.get(ENV)
+    if not address:
+        return
+    child = request(address, target, args, pass_server_on=pass_server_on)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: os.kill(child.pid, signum))
+    threading.Thread(target=_kill_when_orphaned, args=(child, os.getppid()), name="rank-server-orphan",
+                     daemon=True).start()
+    child.join(None)
+    code = child.exitcode
+    if child._lost:
+        print(f"rank server at {address} went away while running {target}", file=sys.stderr, flush=True)
+    if code is not None and code < 0:  # died by a signal: die by the same one
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(1 if code is None else code)
+
+
+def _kill_when_orphaned(child: Child, parent: int) -> None:
+    while os.getppid() == parent:
+        threading.Event().wait(0.5)
+    child.kill()
+    os._exit(1)
+
+
+# --- starting a server ----------------------------------------------------------------------------
+
+_servers: Dict[tuple, "_Server"] = {}
+_lock = threading.Lock()
+
+
+class _Server:
+    def __init__(self, python: str, profile: str):
+        self.dir = tempfile.mkdtemp(prefix="megapatch-rank-server-")
+        self.address = os.path.join(self.dir, "socket")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_") and k != ENV}
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        code = ("import sys, pickle; from megapatch.testing.ranks.rank_server import serve; "
+                "serve(sys.argv[1], pickle.loads(bytes.fromhex(sys.argv[2])), sys.argv[3])")
+        self.process = subprocess.Popen(
+            [python, "-c", code, self.address, pickle.dumps(list(sys.path)).hex(), profile],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=self.dir)
+        ready = self.process.stdout.readline()
+        if ready.strip() != b"ready":
+            self.process.kill()
+            raise RankServerError(f"the rank server did not start ({python}; exit {self.process.wait()})")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def address(python: Optional[str] = None, preload: str = "base") -> str:
+    """The socket of this process's rank server for ``python`` (default: this interpreter) and
+    ``preload`` (a key of :data:`PROFILES`), started on first use (seconds: the preload) and
+    stopped when this process exits."""
+    if preload not in PROFILES:
+        raise ValueError(f"preload={preload!r}; valid: {', '.join(PROFILES)}")
+    key = (python or sys.executable, preload)
+    with _lock:
+        server = _servers.get(key)
+        if server is None or server.process.poll() is not None:
+            server = _servers[key] = _Server(*key)
+        return server.address
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_servers.values()):
+        server.stop()
+    _servers.clear()
