@@ -416,8 +416,8 @@ def _spawn(specs: Sequence[_RankSpec], payload: bytes, env: Mapping[str, Optiona
             yield proc
 
 
-def _fork_from_server(specs: Sequence[_RankSpec], payload: bytes,
-                      env: Mapping[str, Optional[str]]) -> Iterator[Any]:
+def _fork_from_server(specs: Sequence[_RankSpec], payload: bytes, env: Mapping[str, Optional[str]],
+                      preload: Optional[str]) -> Iterator[Any]:
     from megapatch.testing.ranks import rank_server
 
     child_env = dict(os.environ)
@@ -427,7 +427,7 @@ def _fork_from_server(specs: Sequence[_RankSpec], payload: bytes,
         else:
             child_env[key] = str(value)
     # the installed megatron-core preloaded too, unless the job points PYTHONPATH at another one
-    address = rank_server.address(preload="base" if "PYTHONPATH" in env else "megatron")
+    address = rank_server.address(preload=preload or ("base" if "PYTHONPATH" in env else "megatron"))
     for spec in specs:
         yield rank_server.request(address, f"{__name__}:_rank_main", (spec, payload), env=child_env)
 
@@ -449,6 +449,7 @@ def run_ranks(
     stderr_dir: Optional[str] = None,
     backend: str = "gloo",
     start: Optional[str] = None,
+    preload: Optional[str] = None,
 ) -> List[Any]:
     """Runs ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned CPU ranks.
 
@@ -466,7 +467,9 @@ def run_ranks(
     still raised with their tracebacks).  ``backend="nccl"`` runs one rank per GPU (the GPU tests;
     ``workarounds`` then stays off: CUDA is real).  ``start``: ``"server"`` (forked by the rank
     server; the default on Linux) or ``"spawn"`` (fresh interpreters; the default elsewhere, and
-    wherever ``$MPTEST_RANKS_START=spawn``).  Returns the per-rank values in rank order; raises
+    wherever ``$MPTEST_RANKS_START=spawn``).  ``preload``: the server's profile, ``"megatron"``
+    (the installed megatron-core already imported; the default) or ``"base"`` (imported by the rank,
+    after ``fn`` could act first; the default where ``env`` sets ``PYTHONPATH``).  Returns the per-rank values in rank order; raises
     :class:`RankFailure` / :class:`RankTimeout` as the module doc says.
     """
     if world_size < 1:
@@ -487,7 +490,7 @@ def run_ranks(
                            dict(parallel_kwargs or {}), stderr_dir, backend, start == "server")
                  for rank in range(world_size)]
         if start == "server":
-            procs.extend(_fork_from_server(specs, payload, env or {}))
+            procs.extend(_fork_from_server(specs, payload, env or {}, preload))
         else:
             procs.extend(_spawn(specs, payload, env or {}))
         return _wait_for_ranks(procs, tmpdir, timeout)
