@@ -65,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     from megapatch.testing.ranks import rank_server
     from megapatch.testing.ranks.cpu_launch import script_from
 
-    rank_server.forward("megapatch.testing.ranks.convert_launch:main", (argv,))  # under $MPTEST_RANK_SERVER: run as its child
+    rank_server.forward()  # under $MPTEST_RANK_SERVER: this process's __main__ runs as its child
 
     script = script_from(argv, USAGE, PREFIX)
     # what validate_args requires for TP > 1 before Blackwell (arguments.py:951), as on a GPU

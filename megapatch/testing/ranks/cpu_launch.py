@@ -97,7 +97,7 @@ def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     from megapatch.testing.ranks import rank_server
 
-    rank_server.forward("megapatch.testing.ranks.cpu_launch:main", (argv,))  # under $MPTEST_RANK_SERVER: run as its child
+    rank_server.forward()  # under $MPTEST_RANK_SERVER: this process's __main__ runs as its child
     argv = list(sys.argv[1:] if argv is None else argv)
     bridge = bool(argv) and argv[0] == "--bridge"
     if bridge:

@@ -6,7 +6,7 @@
 def main(argv=None) -> None:
     from megapatch.testing.ranks import cpu_launch, rank_server
 
-    rank_server.forward("megapatch.testing.ranks.dynamic_inference_launch:main", (argv,))  # under $MPTEST_RANK_SERVER: run as its child
+    rank_server.forward()  # under $MPTEST_RANK_SERVER: this process's __main__ runs as its child
     from megapatch.testing.stand_ins.dynamic_inference_compat import dynamic_inference_workarounds
 
     with dynamic_inference_workarounds():

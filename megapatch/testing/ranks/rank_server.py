@@ -72,6 +72,7 @@ PROFILES = {"base": PRELOAD, "megatron": PRELOAD + MEGATRON_PRELOAD}
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2)
 _QWORD = struct.Struct("!q")
+_in_child = False  # True in a server's child while it runs its request
 _POLL_S = 0.05
 
 
@@ -136,7 +137,8 @@ def serve(address: str, sys_path: List[str], profile: str = "base") -> None:
     while True:
         readable, _, _ = select.select([listener, sys.stdin], [], [], _POLL_S)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
-            return  # whoever started the server is gone
+            listener.close()
+            os._exit(0)  # whoever started the server is gone; running children keep their connections
         if listener in readable:
             conn, _ = listener.accept()
             request, fds = _recv_request(conn)
@@ -208,12 +210,23 @@ def _child(conn: socket.socket, request: Dict[str, Any], fds: Sequence[int]) -> 
             from megapatch.core import startup
 
             startup.activate_from_environment()
-        if request.get("main"):  # the requester's __main__ as __mp_main__, as spawn does (pickled functions)
-            from multiprocessing import spawn
+        if request["target"] is not None and request["main"]:  # the requester's __main__ as
+            from multiprocessing import spawn  # __mp_main__, as spawn does (pickled functions)
 
             spawn.prepare(request["main"])
-        module, _, function = request["target"].partition(":")
-        getattr(importlib.import_module(module), function)(*request["args"])
+        global _in_child
+        _in_child = True  # a forward() in what runs here runs here
+        if request["target"] is None:  # the requester's own __main__ again, as __main__
+            import runpy
+
+            main = request["main"]
+            if "init_main_from_name" in main:
+                runpy.run_module(main["init_main_from_name"], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(main["init_main_from_path"], run_name="__main__")
+        else:
+            module, _, function = request["target"].partition(":")
+            getattr(importlib.import_module(module), function)(*request["args"])
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc)
@@ -297,11 +310,12 @@ class Child:
             self._sock.close()
 
 
-def request(address: str, target: str, args: Sequence[Any] = (), *, env: Optional[Dict[str, str]] = None,
+def request(address: str, target: Optional[str], args: Sequence[Any] = (), *, env: Optional[Dict[str, str]] = None,
             fds: Sequence[int] = (0, 1, 2), cwd: Optional[str] = None, argv: Optional[List[str]] = None,
             path: Optional[List[str]] = None, pass_server_on: bool = False) -> Child:
     """Ask the server at ``address`` to fork a child that runs ``target`` (``module:function``) with
-    ``args``, this process's stdio (or ``fds``), cwd, environment (or ``env``), sys.path and argv.
+    ``args`` -- or, where ``target`` is None, this process's ``__main__`` module or script again, as
+    ``__main__`` -- with this process's stdio (or ``fds``), cwd, environment (or ``env``), sys.path and argv.
     ``pass_server_on``: the child keeps ``$MPTEST_RANK_SERVER`` (a launcher whose workers forward too)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -330,13 +344,18 @@ def _main_module() -> Dict[str, str]:
     return {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
 
 
-def forward(target: str, args: Sequence[Any] = (), *, pass_server_on: bool = False) -> None:
-    """Run ``target(*args)`` in a child of the server named by ``$MPTEST_RANK_SERVER`` and exit with
-    its status; signals this process receives (torchrun's SIGTERM) go to the child, and the child is
-    killed when this process's parent goes away (as a worker of a killed torchrun). Returns at once,
-    doing nothing, where the variable is unset."""
+def forward(target: Optional[str] = None, args: Sequence[Any] = (), *, pass_server_on: bool = False) -> None:
+    """Run this process's work in a child of the server named by ``$MPTEST_RANK_SERVER`` and exit
+    with its status: its ``__main__`` again (``target`` None: a launcher's entry point, or a script
+    that set things up and then called it, runs from the start in the child), or
+    ``target(*args)``. Signals this process receives (torchrun's SIGTERM) go to the child, and the
+    child is killed when this process's parent goes away (as a worker of a killed torchrun).
+    Returns at once, doing nothing, where the variable is unset, inside a server's child, or where
+    ``__main__`` is no module or script (``python -c``)."""
     address = os.environ.get(ENV)
-    if not address:
+    if not address or _in_child:
+        return
+    if target is None and not _main_module():
         return
     child = request(address, target, args, pass_server_on=pass_server_on)
     for sig in FORWARDED_SIGNALS:
@@ -374,13 +393,21 @@ class _Server:
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
         code = ("import sys, pickle; from megapatch.testing.ranks.rank_server import serve; "
                 "serve(sys.argv[1], pickle.loads(bytes.fromhex(sys.argv[2])), sys.argv[3])")
-        self.process = subprocess.Popen(
-            [python, "-c", code, self.address, pickle.dumps(list(sys.path)).hex(), profile],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=self.dir)
+        # the preload's own output (upstream import warnings) goes to a file, not the user's terminal:
+        # each child's output goes to its requester's streams
+        self.log = os.path.join(self.dir, "server.log")
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                [python, "-c", code, self.address, pickle.dumps(list(sys.path)).hex(), profile],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, cwd=self.dir)
         ready = self.process.stdout.readline()
+        self.process.stdout.close()
         if ready.strip() != b"ready":
             self.process.kill()
-            raise RankServerError(f"the rank server did not start ({python}; exit {self.process.wait()})")
+            with open(self.log, errors="replace") as log:
+                tail = log.read()[-3000:]
+            raise RankServerError(f"the rank server did not start ({python}, preload {profile!r}; exit "
+                                  f"{self.process.wait()}):\n{tail}")
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -9,14 +9,10 @@ import sys
 def main() -> None:
     from megapatch.testing.ranks import rank_server
 
-    rank_server.forward("megapatch.testing.ranks.torchrun:run", (sys.argv[1:],), pass_server_on=True)
-    run(sys.argv[1:])
-
-
-def run(args) -> None:
+    rank_server.forward(pass_server_on=True)  # its workers forward too
     from torch.distributed.run import main as torchrun
 
-    torchrun(args)
+    torchrun(sys.argv[1:])
 
 
 if __name__ == "__main__":
