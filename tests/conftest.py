@@ -55,10 +55,17 @@ def check_refused_where_upstream_cannot_take(prefix: str, what: str, **options) 
     assert not megapatch.is_enabled()
 
 
-def run_python(code: str, env: dict = None, timeout: int = 180) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (clean MEGAPATCH_* environment plus ``env``)."""
+def run_python(code: str, env: dict = None, timeout: int = 180, fresh: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` as ``python -c`` would (clean MEGAPATCH_* environment plus ``env``): in a fresh
+    interpreter, or with ``fresh=False`` in a child of the rank server (torch and the third-party
+    stack already imported, megatron and megapatch not; the MEGAPATCH_* start-up hook runs as at
+    interpreter start): for what does not test interpreter start-up itself."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
     full_env["PYTHONWARNINGS"] = "ignore"
     full_env.update(env or {})
+    if not fresh and sys.platform.startswith("linux"):
+        from megapatch.testing.ranks import rank_server
+
+        return rank_server.run_code(textwrap.dedent(code), env=full_env, cwd=REPO, timeout=timeout)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)

@@ -110,7 +110,7 @@ def test_bridge_imports_without_te_and_megatron_core_sees_none():
             print("refused:", e)
         from megatron.core.utils import get_te_version
         print("te version", get_te_version())
-    """, timeout=300)
+    """, timeout=300, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused: transformer_engine.pytorch.ops.Sequential: Transformer Engine is not installed" in result.stdout
     assert "te version 0.0.0" in result.stdout
@@ -174,7 +174,7 @@ def test_bridge_0_6_has_no_logit_dtype_field_so_megapatch_is_what_gives_fp32_log
         from megatron.core.models.gpt.gpt_model import GPTModel
         print("field", "logit_dtype" in {f.name for f in dataclasses.fields(GPTModelProvider)})
         print("mcore", "logit_dtype" in inspect.signature(GPTModel.__init__).parameters)
-    """, timeout=300)
+    """, timeout=300, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "field False" in result.stdout, result.stdout
 

@@ -79,6 +79,7 @@ def test_a_peer_without_megapatch_is_named_after_the_timeout():
     assert "the kill switch MEGAPATCH_DISABLE is set there" in text  # one cause a 1,000-rank job meets
 
 
+@pytest.mark.quick("cross_rank.publish_settings", "tp_reduce.megatron_core")
 def test_same_settings_pass_and_reduce():
     out = run_ranks(_reduce_once, world_size=2, tp=2, args=(["fp32", "fp32"],), timeout=120)
     assert out == [[2.0] * 8, [2.0] * 8]

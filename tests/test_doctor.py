@@ -30,7 +30,7 @@ sys.exit(main({argv!r}))
 
 
 def _cli(argv, env=None, code=DOCTOR):
-    return run_python(code.format(argv=list(argv)), env=env)
+    return run_python(code.format(argv=list(argv)), env=env, fresh=False)  # not about interpreter start
 
 
 def test_doctor_reports_versions_and_patches():

@@ -244,6 +244,7 @@ def _count(result, kind, it=ITERS - 1):
     return sum(1 for e in result["events"] if e["kind"] == kind and e["it"] == it)
 
 
+@pytest.mark.quick("fp8.align_transposes")
 def test_aligned_processing_runs_at_the_same_slot_on_every_stage(runs):
     for rank, r in enumerate(runs):
         slots = _process_slots(r["aligned"])

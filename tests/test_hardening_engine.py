@@ -57,7 +57,7 @@ def test_activation_refuses_a_bad_check_timeout(monkeypatch):
 
 def test_doctor_reports_a_bad_check_timeout():
     result = run_python("import sys; from megapatch.commands.cli import main; sys.exit(main(['doctor']))",
-                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "nan"})
+                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_CHECK_TIMEOUT": "nan"}, fresh=False)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "MEGAPATCH_CHECK_TIMEOUT='nan'" in result.stdout + result.stderr
 
@@ -92,7 +92,7 @@ def test_true_kill_switch_spellings_disable(monkeypatch, value):
 
 def test_environment_activation_with_a_bad_kill_switch_stops_the_megatron_process():
     result = run_python("import megatron.core, megapatch; print(megapatch.status().active)",
-                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_DISABLE": "y"})
+                        env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_DISABLE": "y"}, fresh=False)
     assert result.returncode != 0, result.stdout
     assert "MEGAPATCH_DISABLE='y'" in result.stderr
 
@@ -142,7 +142,7 @@ def test_non_strict_import_never_raises_when_a_probe_raises():
         import megatron.core.tensor_parallel   # the hook fires here: must not raise
         report = megapatch.status().patch("tp_reduce.megatron_core")
         print(report.state, "|", report.reason)
-    """)
+    """, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     state, reason = result.stdout.strip().splitlines()[-1].split(" | ", 1)
     assert state == "skipped" and "raised AttributeError" in reason
@@ -229,7 +229,7 @@ def test_status_after_a_strict_import_failure_says_incompatible():
             print("import failed:", type(exc).__name__)
         report = megapatch.status().patch("tp_reduce.megatron_core")
         print(report.state, "|", report.reason)
-    """)
+    """, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     state, reason = result.stdout.strip().splitlines()[-1].split(" | ", 1)
     assert state == "incompatible" and "no_such_symbol does not exist" in reason
@@ -279,7 +279,7 @@ def test_alias_held_in_main_is_rebound_and_restored():
         wrapped = wrappers.is_megapatch_wrapper(_reduce)
         megapatch.disable()
         print(wrapped, _reduce is original)
-    """)
+    """, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "True True"
 
@@ -384,7 +384,7 @@ def test_activation_line_reaches_stderr_without_any_logging_configuration():
         import logging, megapatch
         megapatch.enable(tp_reduce_dtype='fp32')
         assert not logging.getLogger().handlers  # the root logger was left alone
-    """)
+    """, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("megapatch enabled: tp_reduce_dtype=fp32 (enable())") == 1
 
@@ -394,7 +394,7 @@ def test_activation_line_goes_to_the_applications_handlers_once_it_has_some():
         import logging, sys, megapatch
         logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="APP %(name)s %(message)s")
         megapatch.enable(tp_reduce_dtype='fp32')
-    """)
+    """, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("APP megapatch megapatch enabled:") == 1
     assert "megapatch enabled:" not in result.stderr  # no duplicate through a handler of ours

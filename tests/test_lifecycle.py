@@ -175,7 +175,7 @@ ORDERINGS = {
 def test_orderings_in_subprocess(name):
     entry = ORDERINGS[name]
     code, expect = (entry, True) if isinstance(entry, str) else entry
-    result = run_python(code + "\n" + CHECK)
+    result = run_python(code + "\n" + CHECK, fresh=False)
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["double"] is False
@@ -190,7 +190,7 @@ def test_hook_registered_before_disable_does_nothing_after_it():
         megapatch.disable()
         import megatron.core.tensor_parallel      # hook fires now, must not install
         print(megapatch.status().active)
-    """)
+    """, fresh=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
@@ -207,7 +207,7 @@ def test_non_strict_never_raises_from_the_users_import():
         megapatch.enable(tp_reduce_dtype='fp32', strict=False)
         import megatron.core.tensor_parallel     # must not raise
         print(megapatch.status().patch("tp_reduce.megatron_core").state)
-    """)
+    """, fresh=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "skipped"
 
@@ -221,6 +221,6 @@ def test_strict_raises_from_the_import_with_the_symbol_path():
                                 for p in engine.patches())
         megapatch.enable(tp_reduce_dtype='fp32')
         import megatron.core.tensor_parallel
-    """)
+    """, fresh=False)
     assert result.returncode != 0
     assert "megatron.core.tensor_parallel.mappings.no_such_symbol does not exist" in result.stderr

@@ -115,6 +115,7 @@ def _gpt_contract(ctx, combos):
 COMBOS = [(sp, po, tied) for sp in (False, True) for po in (True, False) for tied in (False, True)]
 
 
+@pytest.mark.quick("logits.fp32_lm_head", "logits.fp32_output_layer")
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gpt_fp32_logits_contract_and_accuracy(tp):
     results = run_ranks(_gpt_contract, world_size=tp, tp=tp, args=(COMBOS,), timeout=600)[0]
@@ -297,6 +298,7 @@ def _mamba_forward(ctx):
     return found
 
 
+@pytest.mark.quick("logits.fp32_lm_head_mamba")
 def test_mamba_model_forward_returns_fp32_logits():
     found = run_ranks(_mamba_forward, world_size=1)[0]
     assert found["fp32"][0] == "torch.float32" and found["fp32"][1] < 1e-5, found

@@ -7,6 +7,7 @@ between the stages and the controller's broadcast runs on its receiving side (th
 
 import inspect
 
+import pytest
 import torch
 
 from megapatch.testing import run_ranks
@@ -45,6 +46,7 @@ def _inference(ctx):
     return found
 
 
+@pytest.mark.quick("logits.fp32_inference")
 def test_fp32_logits_survive_every_inference_path():
     found = run_ranks(_inference, world_size=1, timeout=300)[0]
     fp32, native = found["fp32"], found["native"]

@@ -146,6 +146,7 @@ def _checked(reduction_paths, mode):
                 yield rank, layout, kind, paths
 
 
+@pytest.mark.quick("tp_reduce.megatron_core")
 @pytest.mark.parametrize("mode", MODES)
 def test_every_tp_reduction_equals_the_rank_order_fp32_oracle(reduction_paths, mode):
     """Position-, rank- and DP-dependent partials, sizes not divisible by TP, TP=4 and TP=2xDP=2:
@@ -205,6 +206,7 @@ def _row_parallel_vs_oracle(ctx, mode, k_total=512, n_out=16, tokens=6):
             "x_grad": x.grad.float(), "w_grad": layer.weight.grad.float()}
 
 
+@pytest.mark.quick("linear.fp32_output", "tp_reduce.megatron_core")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_row_parallel_hands_its_fp32_accumulator_to_the_reduction(tp):
     _needs_fp32_reductions()

@@ -76,6 +76,7 @@ def results():
     return run_ranks(_rank, world_size=4, init_megatron=False, timeout=300)
 
 
+@pytest.mark.quick("tp_reduce.transformer_engine")
 @pytest.mark.parametrize("mode", MODES)
 def test_te_helpers_equal_the_rank_order_fp32_oracle(results, mode):
     checked = 0

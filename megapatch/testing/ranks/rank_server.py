@@ -18,8 +18,8 @@ Contract:
 * A child takes its requester's stdin/stdout/stderr (passed as file descriptors), working directory,
   environment, ``sys.path`` and ``sys.argv``. Where the environment has a ``MEGAPATCH_*`` variable,
   megapatch's startup hook runs as the installed ``.pth`` file runs it at interpreter start.
-  ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``. What a child shares with the server
-  and its siblings: the string hash seed.
+  ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` and ``PYTHONWARNINGS`` as start-up
+  applies it. What a child shares with the server and its siblings: the string hash seed.
 * The child runs ``module:function(*args)`` and exits as a Python process would (``SystemExit``
   codes; an uncaught exception prints its traceback and gives 1); ``atexit`` handlers run, then
   ``os._exit``.
@@ -201,6 +201,11 @@ def _child(conn: socket.socket, request: Dict[str, Any], fds: Sequence[int]) -> 
             os.environ.pop(ENV, None)
         sys.path[:] = request["path"]
         sys.argv[:] = request["argv"]
+        warning_options = os.environ.get("PYTHONWARNINGS")
+        if warning_options:  # read at interpreter start: applied as start-up applies them
+            import warnings
+
+            warnings._processoptions([o for o in warning_options.split(",") if o])
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():
             import torch
@@ -377,6 +382,40 @@ def _kill_when_orphaned(child: Child, parent: int) -> None:
         threading.Event().wait(0.5)
     child.kill()
     os._exit(1)
+
+
+def _exec_code(code: str) -> None:
+    """``python -c CODE`` in a server's child: the code runs in a fresh ``__main__`` namespace."""
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+
+
+def run_code(code: str, *, env: Dict[str, str], cwd: str, timeout: float,
+             preload: str = "base") -> "subprocess.CompletedProcess[str]":
+    """``subprocess.run([python, "-c", code], capture_output=True, text=True)`` where the process is
+    a child of this process's rank server (``preload``): the same environment, directory and
+    MEGAPATCH_* start-up hook, without paying the preload's imports. Not for what interpreter
+    start-up itself does (``sys.modules`` at start, ``.pth`` files): those need a real interpreter."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null:
+        child = request(address(preload=preload), f"{__name__}:_exec_code", (code,), env=env, cwd=cwd,
+                        fds=(null.fileno(), out.fileno(), err.fileno()), argv=["-c"])
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join(10)
+            raise subprocess.TimeoutExpired(["<rank server>", "-c", code], timeout)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(["<rank server>", "-c", code], child.exitcode,
+                                           out.read().decode(errors="replace"), err.read().decode(errors="replace"))
 
 
 # --- starting a server ----------------------------------------------------------------------------
