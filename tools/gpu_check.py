@@ -358,6 +358,9 @@ def main(argv=None) -> int:
         return 2
     device = "cpu" if args.dry_run else "cuda"
     sizes = SIZES["dry" if args.dry_run else "gpu"]
+    # on a GPU the ranks are fresh interpreters: a child forked from a process whose imports touched
+    # CUDA could not use it (the rank server refuses to start if its preload did, but spawn is certain)
+    args.start = args.start or ("server" if args.dry_run else "spawn")
     started = time.monotonic()
     runners = {"block_gemm": lambda: block_gemm(device, sizes["shapes"]),
                "tp_invariant": lambda: tp_invariant(device, sizes["invariant"], args.start),

@@ -466,8 +466,8 @@ def run_ranks(
     rank's stderr as ``rank{N}.stderr`` instead of the parent's (failures are
     still raised with their tracebacks).  ``backend="nccl"`` runs one rank per GPU (the GPU tests;
     ``workarounds`` then stays off: CUDA is real).  ``start``: ``"server"`` (forked by the rank
-    server; the default on Linux) or ``"spawn"`` (fresh interpreters; the default elsewhere, and
-    wherever ``$MPTEST_RANKS_START=spawn``).  ``preload``: the server's profile, ``"megatron"``
+    server; the default on Linux for gloo) or ``"spawn"`` (fresh interpreters; the default for
+    NCCL and off Linux, and wherever ``$MPTEST_RANKS_START=spawn``).  ``preload``: the server's profile, ``"megatron"``
     (the installed megatron-core already imported; the default) or ``"base"`` (imported by the rank,
     after ``fn`` could act first; the default where ``env`` sets ``PYTHONPATH``).  Returns the per-rank values in rank order; raises
     :class:`RankFailure` / :class:`RankTimeout` as the module doc says.
@@ -478,7 +478,9 @@ def run_ranks(
         raise ValueError(f"backend={backend!r}; valid: gloo, nccl")
     if init_megatron and world_size % (tp * pp) != 0:
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
-    start = start or os.environ.get(START_ENV) or ("server" if sys.platform.startswith("linux") else "spawn")
+    # NCCL jobs spawn: a forked child cannot use CUDA if anything in its parent touched it
+    start = start or os.environ.get(START_ENV) or (
+        "server" if sys.platform.startswith("linux") and backend == "gloo" else "spawn")
     if start not in START_METHODS:
         raise ValueError(f"start={start!r} (or ${START_ENV}); valid: {', '.join(START_METHODS)}")
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))

@@ -129,6 +129,9 @@ def serve(address: str, sys_path: List[str], profile: str = "base") -> None:
               if m in sys.modules and m not in allowed]
     if leaked:
         raise RankServerError(f"the rank server's preload imported {leaked}: children would not start fresh")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
+        raise RankServerError("the rank server's preload initialised CUDA: its children could not use it")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
