@@ -406,6 +406,17 @@ START_ENV = "MPTEST_RANKS_START"
 START_METHODS = ("server", "spawn")
 
 
+def start_method(start: Optional[str] = None, backend: str = "gloo") -> str:
+    """``start``, else ``$MPTEST_RANKS_START``, else the default: the rank server on Linux for gloo
+    jobs, spawn for NCCL (a child forked from a process whose imports touched CUDA cannot use it)
+    and elsewhere. Refuses a value that is none of :data:`START_METHODS`."""
+    start = start or os.environ.get(START_ENV) or (
+        "server" if sys.platform.startswith("linux") and backend == "gloo" else "spawn")
+    if start not in START_METHODS:
+        raise ValueError(f"start={start!r} (or ${START_ENV}); valid: {', '.join(START_METHODS)}")
+    return start
+
+
 def _spawn(specs: Sequence[_RankSpec], payload: bytes, env: Mapping[str, Optional[str]]) -> Iterator[Any]:
     mp = multiprocessing.get_context("spawn")
     with _child_environment(env):
@@ -478,11 +489,7 @@ def run_ranks(
         raise ValueError(f"backend={backend!r}; valid: gloo, nccl")
     if init_megatron and world_size % (tp * pp) != 0:
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
-    # NCCL jobs spawn: a forked child cannot use CUDA if anything in its parent touched it
-    start = start or os.environ.get(START_ENV) or (
-        "server" if sys.platform.startswith("linux") and backend == "gloo" else "spawn")
-    if start not in START_METHODS:
-        raise ValueError(f"start={start!r} (or ${START_ENV}); valid: {', '.join(START_METHODS)}")
+    start = start_method(start, backend)
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     tmpdir = tempfile.mkdtemp(prefix="megapatch-ranks-")
     procs: List[Any] = []

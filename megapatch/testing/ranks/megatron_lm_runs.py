@@ -132,10 +132,7 @@ def rank_server_env(start: Optional[str] = None) -> Dict[str, str]:
     (``start="spawn"`` or ``$MPTEST_RANKS_START=spawn``)."""
     from megapatch.testing.ranks import harness, rank_server
 
-    start = start or os.environ.get(harness.START_ENV) or ("server" if sys.platform.startswith("linux") else "spawn")
-    if start not in harness.START_METHODS:
-        raise ValueError(f"start={start!r} (or ${harness.START_ENV}); valid: {', '.join(harness.START_METHODS)}")
-    return {rank_server.ENV: rank_server.address()} if start == "server" else {}
+    return {rank_server.ENV: rank_server.address()} if harness.start_method(start) == "server" else {}
 
 
 def launch(checkout: Path, flags: Sequence[str], *, nproc: int = 1,
