@@ -61,7 +61,7 @@ def _forwarding(target, *args, env=None, **popen):
 
 
 def _pid_from(path, proc):
-    for _ in range(600):
+    for _ in range(2400):  # a failure deadline (2 minutes), generous for a loaded machine
         if os.path.exists(path) and open(path).read():
             return int(open(path).read())
         assert proc.poll() is None, proc.returncode
@@ -70,7 +70,7 @@ def _pid_from(path, proc):
 
 
 def _gone(pid):
-    for _ in range(200):
+    for _ in range(1200):  # a failure deadline (1 minute)
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
