@@ -53,8 +53,7 @@ def _wait_forever(path):
 
 def _forwarding(target, *args, env=None, **popen):
     """A process that forwards ``target(*args)`` to the rank server, as a torchrun worker does."""
-    code = (f"import sys; sys.path.insert(0, {TESTS!r}); from megapatch.testing.ranks import rank_server; "
-            f"rank_server.forward({target!r}, {args!r})")
+    code = _forwarding_code(target, *args)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
     full_env.update({rank_server.ENV: rank_server.address()}, **(env or {}))
     return subprocess.Popen([sys.executable, "-c", code, "argument"], env=full_env, **popen)

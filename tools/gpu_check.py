@@ -27,6 +27,7 @@ section that fails records its error and the others still run):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -95,12 +96,11 @@ def block_gemm(device: str, shapes) -> dict:
 # --- ranks on one device ----------------------------------------------------------------------------
 
 
-def _rank_setup(ctx, device: str):
-    """Before megatron or megapatch is imported (they bind collectives at import): collectives on
-    host copies (the labelled one-GPU stand-in); on CPU (dry run) staged through copies too."""
+def _rank_setup(device: str):
+    """A context to run a rank in, entered before megatron or megapatch is imported (they bind
+    collectives at import): collectives on host copies (the labelled one-GPU stand-in); on CPU (dry
+    run) staged through copies too, with the CPU stand-ins megatron needs there."""
     from megapatch.testing.stand_ins.one_gpu_collectives import collectives_through_host
-
-    import contextlib
 
     staged = (lambda t: t.is_cuda) if device == "cuda" else (lambda t: True)
     guard = contextlib.ExitStack()
@@ -144,8 +144,7 @@ def _batch(sizes: dict, device: str, seed: int = 5):
 
 
 def _invariant_rank(ctx, device: str, sizes: dict):
-    guard = _rank_setup(ctx, device)
-    try:
+    with _rank_setup(device):
         import megapatch
         import torch
 
@@ -168,8 +167,6 @@ def _invariant_rank(ctx, device: str, sizes: dict):
                                          grads={k: v.cpu() for k, v in grads.items()})
                 megapatch.disable()
         return found if ctx.rank == 0 else None
-    finally:
-        guard.__exit__(None, None, None)
 
 
 def tp_invariant(device: str, sizes: dict, start: str) -> dict:
@@ -223,8 +220,7 @@ def _timed_step(model, batch, device, timing) -> float:
 
 
 def _llama_rank(ctx, device: str, sizes: dict, timing: dict):
-    guard = _rank_setup(ctx, device)
-    try:
+    with _rank_setup(device):
         import megapatch
         import torch
 
@@ -256,8 +252,6 @@ def _llama_rank(ctx, device: str, sizes: dict, timing: dict):
         with torch.no_grad():
             out["reference"] = reference(batch[0], batch[1], batch[3]).float().cpu()
         return out if ctx.rank == 0 else None
-    finally:
-        guard.__exit__(None, None, None)
 
 
 def fp32_llama(device: str, sizes: dict, timing: dict, start: str) -> dict:

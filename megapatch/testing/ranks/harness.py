@@ -45,7 +45,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence
 
 __all__ = ["run_ranks", "reinit_model_parallel", "RankContext", "RankFailure", "RankTimeout"]
 
@@ -318,18 +318,19 @@ def _child_environment(env: Mapping[str, Optional[str]]) -> Iterator[None]:
     with _ENV_LOCK:
         saved = {k: os.environ.get(k) for k in env}
         try:
-            for key, value in env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = str(value)
+            _apply_env(os.environ, env)
             yield
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            _apply_env(os.environ, saved)
+
+
+def _apply_env(target: MutableMapping[str, str], env: Mapping[str, Optional[str]]) -> None:
+    """Sets each variable of ``env`` in ``target`` (``None`` removes it)."""
+    for key, value in env.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = str(value)
 
 
 def _read_report(tmpdir: str, rank: int) -> Optional[tuple]:
@@ -432,11 +433,7 @@ def _fork_from_server(specs: Sequence[_RankSpec], payload: bytes, env: Mapping[s
     from megapatch.testing.ranks import rank_server
 
     child_env = dict(os.environ)
-    for key, value in env.items():
-        if value is None:
-            child_env.pop(key, None)
-        else:
-            child_env[key] = str(value)
+    _apply_env(child_env, env)
     # the installed megatron-core preloaded too, unless the job points PYTHONPATH at another one
     address = rank_server.address(preload=preload or ("base" if "PYTHONPATH" in env else "megatron"))
     for spec in specs:

@@ -186,10 +186,9 @@ def _die_with_requester(conn: socket.socket) -> None:
 
 
 def _child(conn: socket.socket, request: Dict[str, Any], fds: Sequence[int]) -> None:
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                signal.SIGUSR2):
+    for sig in (signal.SIGCHLD, *FORWARDED_SIGNALS):
         signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a new interpreter
     for target_fd, fd in enumerate(fds):
         os.dup2(fd, target_fd)
         os.close(fd)
@@ -373,7 +372,8 @@ def forward(target: Optional[str] = None, args: Sequence[Any] = (), *, pass_serv
     child.join(None)
     code = child.exitcode
     if child._lost:
-        print(f"rank server at {address} went away while running {target}", file=sys.stderr, flush=True)
+        print(f"rank server at {address} went away while running {target or _main_module()}", file=sys.stderr,
+              flush=True)
     if code is not None and code < 0:  # died by a signal: die by the same one
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
