@@ -34,3 +34,26 @@ def test_the_quick_loop_names_every_patch_and_only_patches():
     assert not set(named) - shipped, f"quick markers name no patch: {sorted(set(named) - shipped)}"
     missing = sorted(shipped - set(named))
     assert not missing, f"no quick test exercises {missing}: mark one with @pytest.mark.quick(...)"
+
+
+def _readme_test_command():
+    """The pytest invocation of the README's "Tests" install line (what follows its last ``&&``)."""
+    readme = (TESTS.parent / "README.md").read_text()
+    lines = [line for line in readme.splitlines()
+             if line.startswith("python3 -m venv") and "[test," in line and "pytest" in line]
+    assert len(lines) == 1, lines
+    return lines[0].rsplit("&&", 1)[1].strip()
+
+
+def test_ci_runs_the_readme_test_command_with_what_the_test_extra_installs():
+    """.ci/run's default stage runs the README's test command verbatim; its options come from
+    plugins that the ``test`` extra installs (``-n``/``--dist``: pytest-xdist)."""
+    import tomllib
+
+    command = _readme_test_command()
+    assert command.startswith("python -m pytest"), command
+    ci = (TESTS.parent / ".ci" / "run").read_text().splitlines()
+    assert f"  {command}" in ci, f".ci/run does not run the README's test command: {command}"
+    extra = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    if " -n " in f" {command} " or "--dist" in command:
+        assert any(req.startswith("pytest-xdist") for req in extra), extra

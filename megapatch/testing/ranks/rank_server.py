@@ -60,6 +60,9 @@ PRELOAD = (
     "torch.distributed.checkpoint", "torch.utils.cpp_extension", "torch.utils.data",
     "numpy", "sympy", "networkx", "triton", "einops", "pydantic", "yaml", "regex", "psutil",
     "setuptools",
+    # megatron.core.tokenizers imports transformers' AutoTokenizer at module level: 1.3 s of each
+    # pretrain_gpt.py rank's 2.6 s of imports
+    "transformers", "transformers.models.auto.tokenization_auto",
 )
 #: added for ``run_ranks`` jobs on the installed megatron-core (``address(preload="megatron")``): a
 #: job that runs a Megatron-LM checkout's own ``megatron`` must not find another one imported
