@@ -537,7 +537,7 @@ def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
 
 
 def test_the_launcher_warns_when_the_padded_vocabulary_depends_on_the_tp_size():
-    """The example flags once used --vocab-size 512 with NullTokenizer: 513 rows pad to 640 / 768 /
+    """Issue 28 item 5: only where the padded size really differs from the compared TP size's. The example flags once used --vocab-size 512 with NullTokenizer: 513 rows pad to 640 / 768 /
     1024 at TP 1 / 2 / 4, a different model at each TP size (iteration-1 loss 6.486 vs 6.676)."""
     from megapatch.testing.ranks.cpu_launch import padding_warning
 
@@ -546,6 +546,12 @@ def test_the_launcher_warns_when_the_padded_vocabulary_depends_on_the_tp_size():
     assert warning and "TP=1: 640, TP=2: 768, TP=4: 1024, TP=8: 1024" in warning
     assert "this job, TP=2: 768" in warning and "--vocab-size 1023" in warning
     assert padding_warning(["--tokenizer-type", "NullTokenizer", "--vocab-size", "1023"]) is None
+    # 511 + EOD pads to 512 at TP 1, 2 and 4: a warning only where the size really differs (TP 8)
+    at = lambda tp, vocab="511": padding_warning(["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab,
+                                                  "--tensor-model-parallel-size", str(tp)])
+    assert [at(tp) is None for tp in (1, 2, 4, 8)] == [True, True, True, False]
+    assert "this job, TP=8: 1024" in at(8)
+    assert "TP=2: 768" in at(1, "512")  # a TP=1 job whose TP=2 counterpart would differ
     assert padding_warning(["--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", "512"]) is None
     example = Path(REPO, "examples", "megatron_lm", "cpu_flags.sh").read_text()
     assert "--vocab-size 1023" in example and padding_warning(example.split()) is None

@@ -56,9 +56,11 @@ def _flag(argv: List[str], name: str, default: Optional[str] = None) -> Optional
 
 
 def padding_warning(argv: List[str]) -> Optional[str]:
-    """A warning when this job's padded vocabulary depends on the TP size: Megatron-LM pads
-    NullTokenizer's ``--vocab-size`` + 1 (EOD) to a multiple of ``--make-vocab-size-divisible-by``
-    x TP, so runs at different TP sizes would train different models (more output rows)."""
+    """A warning when this job's padded vocabulary differs from the one at another TP size it
+    would be compared with: Megatron-LM pads NullTokenizer's ``--vocab-size`` + 1 (EOD) to a
+    multiple of ``--make-vocab-size-divisible-by`` x TP, so runs at different TP sizes would train
+    different models (more output rows). Compared: this job's TP with TP=1, and a TP=1 job with
+    TP=2 (``--vocab-size 511`` pads to 512 at TP 1, 2 and 4: no warning there, one at TP 8)."""
     if _flag(argv, "--tokenizer-type") != "NullTokenizer" or _flag(argv, "--vocab-size") is None:
         return None
     try:
@@ -69,7 +71,7 @@ def padding_warning(argv: List[str]) -> Optional[str]:
         return None
     padded = {t: -(-rows // (divisible * t)) * divisible * t for t in (1, 2, 4, 8)}
     here = -(-rows // (divisible * tp)) * divisible * tp
-    if len(set(padded.values()) | {here}) == 1:
+    if here == padded[2 if tp == 1 else 1]:
         return None
     sizes = ", ".join(f"TP={t}: {p}" for t, p in padded.items())
     return (f"megapatch.testing.ranks.cpu_launch: warning: the padded vocabulary depends on the TP size "
