@@ -251,6 +251,10 @@ def test_tp_invariant_resume_at_another_tp_size_is_bit_identical(checkout, tmp_p
     runs = tp_resume.experiment(checkout[1], work / "invariant", {"MEGAPATCH_TP_INVARIANT": "1"},
                                 probe=PROBE, resume_tps=(2, 4, 1), label="invariant", timeout=TIMEOUT)
     same, full = runs["resume2"], runs["full"]
+    # issue 28 item 3: the checkpoint writer's spawned worker (it imports __main__, so megatron)
+    # is patched quietly: one activation line per job, every job here saving torch_dist
+    for run in runs.values():
+        assert run.run.log.count("megapatch enabled:") == 1, (run.label, run.run.tail())
     reference = same.tensors()
     assert len(same.loss_hashes) == 3 * 2  # iterations 4-6, two micro-batches each
     assert same.loss_hashes == full.loss_hashes[-len(same.loss_hashes):]

@@ -103,13 +103,30 @@ def arm() -> None:
         wrapt.register_post_import_hook(_activate, name)
 
 
+#: set by a process that activated from the environment, to its pid; not a ``MEGAPATCH_*`` name
+#: (those are options), inherited by the processes it starts
+ACTIVATED_ENV = "_MEGAPATCH_ACTIVATED_PID"
+
+
+def _parent_activated() -> bool:
+    """Whether this process was started by one that activated from the environment: a worker of a
+    rank (the torch_dist checkpoint writer's spawned ``Manager``, a spawned data-loader worker),
+    which imports ``__main__`` and so megatron again. It is patched like its rank but stays quiet:
+    its rank already logged the activation line of the job."""
+    return os.environ.get(ACTIVATED_ENV) == str(os.getppid())
+
+
 def _activate(_module) -> None:
-    from megapatch.core import engine
+    import contextlib
+
+    from megapatch.core import engine, report
     from megapatch.core.errors import OptionError
 
     if engine.is_enabled():  # an explicit enable() in the script wins over the environment
         return
     try:
-        engine.enable()
+        with report.muted() if _parent_activated() else contextlib.nullcontext():
+            engine.enable()
     except OptionError as exc:
         raise type(exc)(f"megapatch (activated from the environment): {exc}") from None
+    os.environ[ACTIVATED_ENV] = str(os.getpid())
