@@ -2,9 +2,11 @@
 ``pretrain_gpt.py`` on CPU ranks: train 6 iterations at TP=2 saving a ``torch_dist`` checkpoint at
 iteration 3, resume from it at TP 2, 4 and 1, and compare every run with the TP=2 resume and with
 the uninterrupted TP=2 run -- per-token losses (hashes), final parameters and optimizer state as
-tensors -- per megapatch mode. Writes ``results/tp_invariant_resume.md``.
+tensors -- per megapatch mode. Writes ``results/tp_invariant_resume.md`` (with
+``--distributed-optimizer``: ``results/tp_invariant_resume_distopt.md``, the distributed optimizer
+in upstream's fully reshardable checkpoint format, which a TP change needs).
 
-    python benchmarks/tp_resume.py [--megatron-lm DIR] [--out results/tp_invariant_resume.md]
+    python benchmarks/tp_resume.py [--distributed-optimizer] [--megatron-lm DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ MODES = {
     "tp_invariant": {"MEGAPATCH_TP_INVARIANT": "1"},
 }
 RESUME_TPS = (2, 4, 1)
+DISTOPT = ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")
 PROBE = str(REPO / "tests" / "scripts" / "megatron_lm_probe.py")
 
 
@@ -44,8 +47,12 @@ def _compare(run, tensors, reference, reference_tensors):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout (default: the pinned core_v0.16.1 tarball)")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "tp_invariant_resume.md")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help=f"every run with {' '.join(DISTOPT)}")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    extra = DISTOPT if args.distributed_optimizer else ()
+    out = args.out or REPO / "results" / ("tp_invariant_resume_distopt.md" if extra else "tp_invariant_resume.md")
     with tempfile.TemporaryDirectory() as tmp:
         checkout = args.megatron_lm or mlm.unpack(REPO.parent / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"],
                                                   Path(tmp) / "src")
@@ -53,7 +60,7 @@ def main() -> int:
         start = time.monotonic()
         for mode, env in MODES.items():
             runs = tp_resume.experiment(checkout, Path(tmp) / mode, env, probe=PROBE, resume_tps=RESUME_TPS,
-                                        label=mode)
+                                        label=mode, extra=extra)
             full, same = runs["full"], runs["resume2"]
             tensors = {label: run.tensors() for label, run in runs.items()}  # each checkpoint read once
             for tp in RESUME_TPS:
@@ -70,15 +77,20 @@ def main() -> int:
                          f"TP=2 resume printed {same.losses[5]} at iteration 5, the mean of the uninterrupted "
                          f"iterations 4 and 5 is {mean:.6E}")
         seconds = time.monotonic() - start
-    text = f"""# Changing the TP size in the middle of a run
+    optimizer = ("the distributed optimizer (`--use-distributed-optimizer`, DP = 1) saved in upstream's "
+                 "fully reshardable format (`--dist-ckpt-optim-fully-reshardable`; upstream refuses its default "
+                 "dp_reshardable format at another TP size), its CPU load path through three labelled stand-ins "
+                 "(megapatch.testing.stand_ins.megatron_lm_compat: torch Adam's step on load)"
+                 if extra else "the plain (non-distributed) optimizer")
+    text = f"""# Changing the TP size in the middle of a run{' (distributed optimizer)' if extra else ''}
 
-Command: `python benchmarks/tp_resume.py` ({seconds:.0f} s on the 2-core CPU machine; megatron-core
+Command: `python benchmarks/tp_resume.py{' --distributed-optimizer' if extra else ''}` ({seconds:.0f} s on the 2-core CPU machine; megatron-core
 0.16.1, Megatron-LM core_v0.16.1's unmodified `pretrain_gpt.py` under
 `torchrun -m megapatch.testing.ranks.cpu_launch`, megapatch switched on by `MEGAPATCH_*` only).
 
 Model: GELU GPT with LayerNorm, 2 layers, hidden 64, 4 heads, vocabulary 255 (+ EOD, padded to
 256 at every TP size with `--make-vocab-size-divisible-by 32`), BF16, Adam, `--clip-grad 1.0`
-(Megatron-LM's default; active at every step here), mock data, micro-batch 2, global batch 4:
+(Megatron-LM's default; active at every step here), {optimizer}, mock data, micro-batch 2, global batch 4:
 2 micro-batches per iteration at every TP size (world size = TP, DP = 1), the same samples in the
 same order.
 Each mode: 6 iterations at TP=2 saving a `torch_dist` checkpoint at iteration 3 (and 6), then
@@ -110,10 +122,10 @@ Reading:
   accumulators"), so the next line prints the mean of the first two iterations after the resume
   (the lines above: the printed value is that mean, to the last printed digit). The per-token
   loss hashes and the tensors above show the training itself is unchanged.
-- What this does not show: TP changes with sequence parallelism or the distributed optimizer
-  (the mode refuses both at construction), TP x DP re-layouts, pipeline-parallel resumes.
+- What this does not show: TP changes with sequence parallelism, TP x DP re-layouts,
+  pipeline-parallel resumes. {'The plain optimizer: results/tp_invariant_resume.md.' if extra else 'The distributed optimizer: results/tp_invariant_resume_distopt.md.'}
 """
-    args.out.write_text(text)
+    out.write_text(text)
     print(text)
     return 0
 

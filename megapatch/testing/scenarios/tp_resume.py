@@ -52,10 +52,11 @@ def flags(tp: int, iters: int, extra: Sequence[str] = ()) -> List[str]:
 
 
 def _launch(checkout: Path, workdir: Path, label: str, tp: int, iters: int, env: Mapping[str, str],
-            save: Path, load: Optional[Path], save_interval: int, probe: str, timeout: float) -> ResumeRun:
+            save: Path, load: Optional[Path], save_interval: int, probe: str, timeout: float,
+            flags_extra: Sequence[str] = ()) -> ResumeRun:
     probe_dir = workdir / "probes" / label
     probe_dir.mkdir(parents=True)
-    extra = ["--save", str(save), "--save-interval", str(save_interval)]
+    extra = [*flags_extra, "--save", str(save), "--save-interval", str(save_interval)]
     if load is not None:
         extra += ["--load", str(load)]
     run = mlm.launch(checkout, flags(tp, iters, extra), nproc=tp, megapatch_env=env, entry=[probe],
@@ -72,23 +73,24 @@ def _launch(checkout: Path, workdir: Path, label: str, tp: int, iters: int, env:
 def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], *, probe: str,
                train_tp: int = 2, resume_tps: Sequence[int] = (2, 4, 1), save_at: int = 3,
                iters: int = 6, timeout: float = 600.0, label: str = "run",
-               start: Optional[Path] = None) -> Dict[str, ResumeRun]:
+               start: Optional[Path] = None, extra: Sequence[str] = ()) -> Dict[str, ResumeRun]:
     """``full``: ``iters`` iterations at ``train_tp``, saving at ``save_at`` and at the end;
     ``resume<t>``: from that run's ``save_at`` checkpoint (or ``start``, a directory holding one)
-    to ``iters`` at TP ``t``."""
+    to ``iters`` at TP ``t``. ``extra``: more ``pretrain_gpt.py`` flags for every run (e.g.
+    ``--use-distributed-optimizer``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     runs: Dict[str, ResumeRun] = {}
     if start is None:
         full = workdir / f"{label}-full"
         runs["full"] = _launch(checkout, workdir, f"{label}-full", train_tp, iters, env, full, None,
-                               save_at, probe, timeout)
+                               save_at, probe, timeout, extra)
         start = full
     for tp in resume_tps:
         directory = workdir / f"{label}-resume{tp}"
         shutil.copytree(start / f"iter_{save_at:07d}", directory / f"iter_{save_at:07d}")
         (directory / "latest_checkpointed_iteration.txt").write_text(str(save_at))
         runs[f"resume{tp}"] = _launch(checkout, workdir, f"{label}-resume{tp}", tp, iters, env,
-                                      directory, directory, iters, probe, timeout)
+                                      directory, directory, iters, probe, timeout, extra)
     return runs
 
 

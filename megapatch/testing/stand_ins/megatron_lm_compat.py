@@ -39,6 +39,19 @@ private copy of each tensor it sends           ``deallocate_output_tensor`` free
                                                thread and would read the freed storage
 ``megatron.legacy.fused_kernels.load``:        runs ``nvcc -V`` (absent on CPU); builds no kernel
 skipped (optional: only older Megatron-LM)
+``DistributedOptimizer.state_dict`` on a       without apex/TE: ``assert len(steps) == 1`` over
+fresh optimizer takes upstream's TE/apex       torch's per-parameter ``step`` (none yet) when
+branch (a template without ``step``)           ``sharded_state_dict(is_loading=True)`` builds the
+                                               torch_dist resume template; the checkpoint's step
+                                               is loaded as upstream loads it
+``_set_main_param_and_optimizer_states``       without apex/TE: ``KeyError: 'step'`` copying a
+gets torch Adam's already-loaded ``step``      ``--dist-ckpt-optim-fully-reshardable`` checkpoint
+                                               (upstream sets the step from the param groups and
+                                               leaves it out of the copied tensors)
+``DistributedOptimizer.load_state_dict``       without apex/TE: one ``step`` tensor shared by
+gives each parameter's Adam state its own      every parameter's torch Adam state, advanced once
+copy of the loaded ``step``                    per parameter per step (a resumed run leaves the
+                                               uninterrupted one at its first step)
 ``Tensor.type()`` of a CPU tensor reports      the ``'torch.cuda.BFloat16Tensor'`` / ``FloatTensor``
 ``torch.cuda.<T>``                             checks in megatron-core's optimizers
                                                (``Float16OptimizerWithFloat16Params``,
@@ -158,6 +171,80 @@ def _send_private_copies(original):
     return _p2p_ops
 
 
+def _template_without_step(original):
+    # Without apex/TE, DistributedOptimizer.state_dict reads Adam's 'step' from torch's per-parameter
+    # state and asserts there is exactly one. On resume, sharded_state_dict(is_loading=True) calls
+    # it on a fresh optimizer (no state yet) to build the load template, and feeds the template to
+    # load_state_dict: the assert fails on every CPU resume. The stand-in, only while the state is
+    # empty, takes upstream's TE/apex branch for this one call (module flags flipped and restored:
+    # a template without a step) and gives each param group the step of an optimizer that has
+    # taken none (0.0: torch's path requires one). The checkpoint's own param groups, with their
+    # step, replace the template when Megatron-LM loads them, as upstream does on GPU.
+    @functools.wraps(original)
+    def state_dict(self):
+        module = sys.modules[type(self).__module__]
+        if getattr(module, "HAVE_APEX_OR_TE", True) or len(self.optimizer.state) > 0:
+            return original(self)
+        flags = {name: getattr(module, name) for name in ("HAVE_APEX_OR_TE", "USING_TE_OPTIMIZER",
+                                                           "USING_APEX_OPTIMIZER") if hasattr(module, name)}
+        try:
+            module.HAVE_APEX_OR_TE = True
+            module.USING_TE_OPTIMIZER = module.USING_APEX_OPTIMIZER = False
+            template = original(self)
+        finally:
+            for name, value in flags.items():
+                setattr(module, name, value)
+        for group in template["optimizer"]["param_groups"]:
+            group["step"] = 0.0
+        return template
+
+    return state_dict
+
+
+def _keep_torch_adam_step(original):
+    # Without apex/TE, torch's Adam keeps a 'step' tensor in each parameter's state. Loading a
+    # fully reshardable distributed-optimizer checkpoint, upstream sets that step from the param
+    # groups first (load_state_dict) and leaves 'step' out of the tensors it then copies in ("handle
+    # torch Adam 'step' state separately"), but _set_main_param_and_optimizer_states copies every
+    # key of the destination state: KeyError 'step'. The stand-in hands it the step already set,
+    # so that copy is a no-op; every other tensor is copied as upstream copies it.
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not getattr(self.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                                                 False):
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state.get(main_param, {}).get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    return _set_main_param_and_optimizer_states
+
+
+def _own_step_per_parameter(original):
+    # Without apex/TE, DistributedOptimizer.load_state_dict gives every parameter's torch Adam
+    # state the same 'step' tensor object (one torch.tensor(step) assigned to each state, and
+    # torch's load_state_dict keeps it as it is). torch's Adam then increments that one tensor once
+    # per parameter per step: Adam's bias correction after a resume uses a step count inflated by
+    # the parameter count, and the resumed run leaves the uninterrupted one at the first step. On
+    # GPU, TE's/apex's FusedAdam keep the step in the param group. The stand-in gives each state a
+    # copy of the loaded value after upstream's load.
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        seen = set()
+        for state in self.optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if step is not None and hasattr(step, "clone"):
+                if id(step) in seen:
+                    state["step"] = step.clone()
+                seen.add(id(step))
+        return result
+
+    return load_state_dict
+
+
 def _skip(original):
     @functools.wraps(original)
     def skipped(*args, **kwargs):
@@ -194,6 +281,16 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
                _send_private_copies),
     Workaround("megatron.legacy.fused_kernels", "load", "nvcc -V probe of the CUDA toolkit", _skip,
                optional=True),
+    Workaround("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.state_dict",
+               "assert len(steps) == 1 (no apex/TE) when a torch_dist resume builds the distributed "
+               "optimizer's load template before its first step", _template_without_step),
+    Workaround("megatron.core.optimizer.distrib_optimizer",
+               "DistributedOptimizer._set_main_param_and_optimizer_states",
+               "KeyError 'step' (no apex/TE) copying a fully reshardable checkpoint's optimizer state "
+               "into torch Adam's", _keep_torch_adam_step, optional=True),
+    Workaround("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+               "one 'step' tensor shared by every parameter's torch Adam state after a distributed-"
+               "optimizer load (no apex/TE): Adam advances it once per parameter", _own_step_per_parameter),
 )
 
 TYPE_REPORT = "Tensor.type() == 'torch.cuda.<T>' checks in megatron-core's optimizers"
