@@ -200,6 +200,41 @@ def test_data_parallel_replicas_with_different_settings_are_refused(modes):
                      timeout=120) == ["ok"] * 4
 
 
+def _replicas_at_tp1(ctx, per_rank_settings):
+    """As ``_replicas``, at TP=1 x DP=2: every TP group is one rank, so only the whole-job check
+    at model-parallel initialisation can see the two replicas differ."""
+    import megapatch
+    from megapatch.testing import reinit_model_parallel
+
+    megapatch.enable(**per_rank_settings[ctx.rank])
+    try:
+        reinit_model_parallel(ctx, tp=1)
+    except CrossRankMismatchError as exc:
+        return f"refused: {exc}"
+    return "ok"
+
+
+@pytest.mark.parametrize("settings,named", [
+    ([dict(logits_dtype="fp32"), dict()], "rank 1 runs logits_dtype=native (this rank: fp32)"),
+    ([dict(), dict(tp_reduce_dtype="fp32")], "rank 0 runs tp_reduce_dtype=native (this rank: fp32)"),
+    ([dict(logits_dtype="fp32"), dict(tp_reduce_dtype="fp32")], "logits_dtype="),
+], ids=["rank0-asks", "rank1-asks", "both-ask-differently"])
+def test_data_parallel_replicas_at_tp1_with_different_settings_are_refused(settings, named):
+    """issue 28 survivor: the whole-job check skipped at TP=1 (every whole-job test was TP=2 x
+    DP=2) let data-parallel replicas in different modes train silently. At TP=1 x DP=2 the rank
+    that asks for a change is refused at model-parallel initialisation, naming the difference;
+    a native rank only publishes (it works beside peers without megapatch)."""
+    out = run_ranks(_replicas_at_tp1, world_size=2, args=(settings,), init_megatron=False, timeout=120,
+                    env={"MEGAPATCH_CHECK_TIMEOUT": NEVER})  # refused before the job's deadline: not the timeout
+    asking = [rank for rank, s in enumerate(settings) if s]
+    for rank in asking:
+        assert out[rank].startswith("refused: megapatch settings differ across the job (world size 2"), out
+        assert named in out[rank], out
+    assert all(out[rank] == "ok" for rank, s in enumerate(settings) if not s), out
+    assert run_ranks(_replicas_at_tp1, world_size=2, args=([settings[asking[0]]] * 2,), init_megatron=False,
+                     timeout=120) == ["ok", "ok"]
+
+
 # -- mutation-audit additions (results/mutation.md): the tp_invariant options are compared, a
 # -- reconfiguration forgets verified groups, and the helpers' own contracts ---------------------
 

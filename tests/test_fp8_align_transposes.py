@@ -475,3 +475,71 @@ def test_out_of_order_forward_steps_are_not_reported_as_aligned(monkeypatch, cap
     assert any("passes through" in m and "out of virtual-microbatch order" in m for m in said), said
     assert config.param_sync_func is caller_list
     assert model[1].in_flight.finished == []  # nothing aligned after the fallback
+
+
+# -- issue 28 survivor: one MXFP8 parameter must not switch the alignment off for the whole model --
+
+class _StandInDDP:
+    """LABELLED STAND-IN for a megatron-core DistributedDataParallel chunk as ``_why_not`` reads it
+    (FP8 parameters do not exist on CPU): the distributed optimizer with overlapped, aligned param
+    gathers, forward pre-hooks on, one bucket group holding ``params``."""
+
+    def __init__(self, config, params):
+        from types import SimpleNamespace
+
+        self.config = config
+        self.ddp_config = SimpleNamespace(use_distributed_optimizer=True, overlap_param_gather=True,
+                                          align_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=False)
+        self.use_forward_hook = True
+        self.remove_forward_pre_hook_handles = {"chunk": "handle"}
+        group = _FakeBucketGroup()
+        group.params = list(params)
+        self.bucket_groups, self.expert_parallel_bucket_groups = [group], []
+
+
+def _decision(monkeypatch, chunks):
+    """``_why_not`` for a VPP model whose chunk i holds the kinds ``chunks[i]`` ('fp8', 'mxfp8',
+    'bf16'). The dispatch stand-in follows TE 2.x's classes as megatron-core tests them
+    (fp8_utils.py, 0.16.1): ``is_float8tensor`` is ``isinstance(t, QuantizedTensor)``, True for
+    per-tensor FP8 *and* MXFP8 params; ``is_mxfp8tensor`` is True for MXFP8 ones only. TE's
+    ``post_all_gather_processing`` creates the transpose of a Float8Tensor (on GPUs without non-TN
+    FP8 GEMMs) and does nothing for an MXFP8Tensor (TE pytorch/tensor/utils.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import megatron.core.distributed.param_and_grad_buffer as real_pgb
+    from megapatch.patches import fp8_align_transposes as pm
+
+    monkeypatch.setattr(pm, "_unwrap_ddp", lambda chunk: chunk)
+    kinds = {}
+    config = SimpleNamespace(param_sync_func=[lambda: None] * len(chunks))
+    model = []
+    for chunk in chunks:
+        params = [torch.nn.Parameter(torch.zeros(2)) for _ in chunk]
+        kinds.update((id(p), kind) for p, kind in zip(params, chunk))
+        model.append(_StandInDDP(config, params))
+    pgb = SimpleNamespace(
+        _ParamAndGradBucketGroup=real_pgb._ParamAndGradBucketGroup,
+        post_all_gather_processing=lambda params: None,  # STAND-IN for TE's processing
+        is_float8tensor=lambda t: kinds.get(id(t)) in ("fp8", "mxfp8"),
+        is_mxfp8tensor=lambda t: kinds.get(id(t)) == "mxfp8")
+    return pm._why_not((), dict(model=model, forward_step_func=None, data_iterator=None,
+                                num_microbatches=4), pgb)
+
+
+@pytest.mark.parametrize("chunks", [
+    (("fp8", "mxfp8", "bf16"), ("fp8", "fp8")),  # one chunk mixes both kinds
+    (("mxfp8", "mxfp8"), ("fp8", "bf16")),       # one chunk all MXFP8, the other FP8
+    (("fp8",), ("fp8", "fp8")),
+], ids=["mixed-in-a-chunk", "mixed-across-chunks", "fp8-only"])
+def test_a_model_with_any_per_tensor_fp8_parameter_is_aligned(monkeypatch, chunks):
+    """The FP8 parameters' transposes are still built after the all-gather, whatever MXFP8
+    parameters sit beside them: aligning must not pass through."""
+    assert _decision(monkeypatch, chunks) is None
+
+
+def test_only_a_model_whose_quantized_parameters_are_all_mxfp8_passes_through(monkeypatch):
+    reason = _decision(monkeypatch, [("mxfp8", "bf16"), ("mxfp8",)])
+    assert reason == "MXFP8 parameters: TE's post-all-gather processing is a no-op", reason
+    assert _decision(monkeypatch, [("bf16",), ("bf16",)]).startswith("no FP8 parameters")

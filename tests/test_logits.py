@@ -181,6 +181,74 @@ def test_an_output_layer_other_than_column_parallel_linear_is_refused_at_constru
         and "TELMHeadColumnParallelLinear" in message and "_MXFP8Head" in message, message
 
 
+class _TensorParallelBuilding:
+    """``megatron.core.tensor_parallel`` as gpt_model sees it, except that it builds ``head``."""
+
+    def __init__(self, real, head):
+        self._real, self.ColumnParallelLinear = real, head
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _construct_with_own_logit_dtype(ctx, logit_dtype):
+    """A real GPTModel whose own __init__ builds an output layer with its own logit dtype.
+
+    LABELLED STAND-IN for Megatron-LM PR #6252 (megatron-core 0.16.1 has neither
+    ``GPTModel(logit_dtype=)`` nor ``ColumnParallelLinear(output_dtype=)``): on main,
+    ``GPTModel.__init__`` passes ``output_dtype=self.logit_dtype`` to its output layer's
+    ColumnParallelLinear, which keeps it as ``self.output_dtype``. Here the ColumnParallelLinear
+    that gpt_model builds is the real class, given that attribute inside its own construction."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megapatch.testing import build_tiny_gpt, make_batch, tiny_gpt_config
+
+    class PR6252ColumnParallelLinear(ColumnParallelLinear):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.output_dtype = logit_dtype  # PR #6252: ColumnParallelLinear(output_dtype=logit_dtype)
+
+    found = {}
+    real = gpt_model.tensor_parallel
+    gpt_model.tensor_parallel = _TensorParallelBuilding(real, PR6252ColumnParallelLinear)
+    batch = make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB)
+    try:
+        for mode in ("native", "fp32"):
+            megapatch.enable(logits_dtype=mode)
+            try:
+                model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=VOCAB, seq_len=SEQ)
+            except UnsupportedConfigurationError as exc:
+                found[mode] = f"refused at construction: {exc}"
+                continue
+            built = f"built: output_dtype {model.output_layer.output_dtype}"
+            try:
+                with torch.no_grad():
+                    logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+                found[mode] = f"{built}, logits {logits.dtype}"
+            except UnsupportedConfigurationError as exc:
+                found[mode] = f"{built}, refused at forward: {exc}"
+    finally:
+        gpt_model.tensor_parallel = real
+        megapatch.disable()
+    return found
+
+
+def test_a_model_built_with_its_own_bf16_logit_dtype_is_refused_at_construction():
+    """issue 28 survivor: under logits_dtype='fp32' a GPTModel built with logit_dtype=bfloat16
+    (Megatron-LM's --output-logit-dtype bf16, Bridge's logit_dtype) must be refused when it is
+    built, before any training step, naming both settings; a refusal only at the first forward
+    let the job build its optimizer, data and checkpoint first."""
+    found = run_ranks(_construct_with_own_logit_dtype, world_size=1, args=(torch.bfloat16,))[0]
+    assert found["native"] == "built: output_dtype torch.bfloat16, logits torch.bfloat16", found
+    message = found["fp32"]
+    assert message.startswith("refused at construction: "), found
+    assert "output_dtype=torch.bfloat16" in message and "logit_dtype" in message, message
+    assert "--output-logit-dtype" in message and "enable(logits_dtype='fp32')" in message, message
+    # the same request (FP32) composes: built, and the logits are FP32
+    agreeing = run_ranks(_construct_with_own_logit_dtype, world_size=1, args=(torch.float32,))[0]
+    assert agreeing["fp32"] == "built: output_dtype torch.float32, logits torch.float32", agreeing
+
+
 def _swapped_head_at_forward(ctx):
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 

@@ -117,14 +117,16 @@ def test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs(tp, pp, gra
     _check(ranks, last=len(ranks) - 1, graph_buffer=graph_buffer)
 
 
-def test_a_logits_buffer_allocated_in_params_dtype_becomes_fp32(monkeypatch):
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_logits_buffer_allocated_in_params_dtype_becomes_fp32(monkeypatch, params_dtype):
     """megatron-core >= 0.17 copies the logits into ``_all_logits_cuda`` (CUDA graphs on), allocated
-    in params_dtype by ``_init_dynamic_sampling_tensors``; emulated here on 0.16.1's method."""
+    in params_dtype by ``_init_dynamic_sampling_tensors``; emulated here on 0.16.1's method. BF16
+    and FP16 models alike (issue 28: every inference test used BF16)."""
     import megapatch
     from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
 
     def allocates(self):
-        self._all_logits_cuda = torch.zeros((1, 4, V), dtype=torch.bfloat16)
+        self._all_logits_cuda = torch.zeros((1, 4, V), dtype=params_dtype)
         self._sampled_tokens_cuda = torch.empty(4, dtype=torch.int64)
 
     monkeypatch.setattr(tgc.TextGenerationController, "_init_dynamic_sampling_tensors", allocates)
@@ -135,7 +137,7 @@ def test_a_logits_buffer_allocated_in_params_dtype_becomes_fp32(monkeypatch):
         controller._init_dynamic_sampling_tensors()
         dtypes[mode] = (controller._all_logits_cuda.dtype, controller._all_logits_cuda.shape,
                         controller._sampled_tokens_cuda.dtype)
-    assert dtypes["native"] == (torch.bfloat16, (1, 4, V), torch.int64)
+    assert dtypes["native"] == (params_dtype, (1, 4, V), torch.int64)
     assert dtypes["fp32"] == (torch.float32, (1, 4, V), torch.int64)
 
 

@@ -78,7 +78,7 @@ def _head_oracle(model):
     return calls, oracle
 
 
-def _wrapper_run(model, tokens, method, ctx):
+def _wrapper_run(model, tokens, method, ctx, params_dtype=torch.bfloat16):
     """One static-batching wrapper pass of ``method`` over ``tokens`` (every version's signature)."""
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
@@ -89,7 +89,7 @@ def _wrapper_run(model, tokens, method, ctx):
         InferenceWrapperConfig = None
 
     config = InferenceWrapperConfig and InferenceWrapperConfig(
-        hidden_size=64, params_dtype=torch.bfloat16,
+        hidden_size=64, params_dtype=params_dtype,
         inference_batch_times_seqlen_threshold=S,  # 1 request per micro-batch
         padded_vocab_size=V)
     context = StaticInferenceContext(B, S)
@@ -101,7 +101,7 @@ def _wrapper_run(model, tokens, method, ctx):
         return getattr(wrapper, method)(wrapper.prep_inference_input(tokens))
 
 
-def _broadcast_logits(logits, shape, ctx):
+def _broadcast_logits(logits, shape, ctx, params_dtype=torch.bfloat16):
     """The controller's broadcast of the last stage's logits (dtype=params_dtype, as upstream calls it)."""
     from megatron.core.inference import communication_utils
     from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
@@ -111,7 +111,7 @@ def _broadcast_logits(logits, shape, ctx):
     original = getattr(communication_utils, "_is_cuda", None)
     communication_utils._is_cuda = lambda t: None  # CPU tensors: upstream asserts .is_cuda
     try:
-        return tgc.broadcast_from_last_pipeline_stage(list(shape), torch.bfloat16, logits, **pp_kwargs)
+        return tgc.broadcast_from_last_pipeline_stage(list(shape), params_dtype, logits, **pp_kwargs)
     finally:
         if original is None:
             del communication_utils._is_cuda
@@ -119,36 +119,41 @@ def _broadcast_logits(logits, shape, ctx):
             communication_utils._is_cuda = original
 
 
-def _inference_pp2(ctx):
+def _inference_pp2(ctx, dtype="bfloat16"):
     """PP=2: both stages run the wrapper's pipeline paths (activations really travel), the last
     stage's logits and their FP32 oracle are kept, then the controller broadcast delivers the
-    logits to the first stage, the receiving side."""
+    logits to the first stage, the receiving side. ``dtype``: the model's (BF16, or FP16 with
+    megatron's fp16 flags), which upstream downcasts the logits to."""
     import megapatch
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
     tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
     methods = [m for m in PP_METHODS if hasattr(GPTInferenceWrapper, m)]
+    params_dtype = getattr(torch, dtype)
+    overrides = ({} if dtype == "bfloat16" else
+                 dict(params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=False, fp16=True))
     found = {}
     for mode in ("native", "fp32"):
         megapatch.enable(logits_dtype=mode)
-        model = build_tiny_gpt(tiny_gpt_config(tp=1, pp=ctx.pp_size), vocab_size=V, seq_len=S, seed=5).eval()
+        model = build_tiny_gpt(tiny_gpt_config(tp=1, pp=ctx.pp_size, **overrides), vocab_size=V, seq_len=S,
+                               seed=5).eval()
         calls, oracle = _head_oracle(model)
         row = found[mode] = {}
         for method in methods:
             calls.clear()
-            logits = _wrapper_run(model, tokens, method, ctx)
+            logits = _wrapper_run(model, tokens, method, ctx, params_dtype)
             row[method] = (None if logits is None else
                            (str(logits.dtype), logits.float(), oracle().float()))
         first = row[methods[0]]
-        sent = first[1].to(torch.float32 if mode == "fp32" else torch.bfloat16).contiguous() \
+        sent = first[1].to(torch.float32 if mode == "fp32" else params_dtype).contiguous() \
             if ctx.is_last_stage else None
         # the shape and the oracle reach the first stage by plain torch broadcasts (not the patched one)
         last_rank = torch.distributed.get_process_group_ranks(ctx.pp_group)[-1]
         shape = torch.tensor(first[1].shape) if ctx.is_last_stage else torch.empty(3, dtype=torch.int64)
         torch.distributed.broadcast(shape, src=last_rank, group=ctx.pp_group)
         shape = tuple(shape.tolist())
-        got = _broadcast_logits(sent, shape, ctx)
+        got = _broadcast_logits(sent, shape, ctx, params_dtype)
         reference = first[2].contiguous() if ctx.is_last_stage else torch.empty(shape)
         torch.distributed.broadcast(reference, src=last_rank, group=ctx.pp_group)
         row["broadcast"] = (str(got.dtype), got.float(), reference)
@@ -156,8 +161,12 @@ def _inference_pp2(ctx):
     return found
 
 
-def test_fp32_logits_cross_the_pipeline_and_reach_the_receiving_stage():
-    first_stage, last_stage = run_ranks(_inference_pp2, world_size=2, pp=2, timeout=300)
+@pytest.mark.parametrize("model_dtype", ["bfloat16", "float16"])
+def test_fp32_logits_cross_the_pipeline_and_reach_the_receiving_stage(model_dtype):
+    """BF16 and FP16 models (issue 28 survivor: FP16 logits kept across the stages went unseen
+    while every inference test used BF16)."""
+    first_stage, last_stage = run_ranks(_inference_pp2, world_size=2, pp=2, args=(model_dtype,), timeout=300)
+    native_dtype = f"torch.{model_dtype}"
     for method in ("native", "fp32"):
         assert all(v is None for k, v in first_stage[method].items() if k != "broadcast")  # not last
     fp32, native = last_stage["fp32"], last_stage["native"]
@@ -168,11 +177,11 @@ def test_fp32_logits_cross_the_pipeline_and_reach_the_receiving_stage():
         assert dtype == "torch.float32", (path, dtype)
         assert logits.shape == oracle.shape and (logits - oracle).abs().max() < 1e-5, (path, logits.shape, oracle.shape)
         dtype, logits, oracle = native[path]
-        assert dtype == "torch.bfloat16" and (logits - oracle).abs().max() > 1e-5, path  # the oracle can fail
+        assert dtype == native_dtype and (logits - oracle).abs().max() > 1e-5, path  # the oracle can fail
     for rank, stage in enumerate((first_stage, last_stage)):
         dtype, got, reference = stage["fp32"]["broadcast"]
         assert dtype == "torch.float32", (rank, dtype)
         assert (got - reference).abs().max() < 1e-5, rank
         assert torch.equal(got, first_stage["fp32"]["broadcast"][1])  # both stages hold the same
         dtype, got, reference = stage["native"]["broadcast"]
-        assert dtype == "torch.bfloat16" and (got - reference).abs().max() > 1e-5, rank
+        assert dtype == native_dtype and (got - reference).abs().max() > 1e-5, rank

@@ -9,6 +9,8 @@ import ast
 import os
 import textwrap
 
+import pytest
+
 from conftest import REPO, run_python
 
 FP32 = {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}
@@ -122,3 +124,72 @@ def test_startup_pth_calls_the_bootstrap():
         line = f.read().strip()
     assert line.startswith("import ") and "\n" not in line  # site runs one import line
     assert "megapatch.core.startup" in line and "activate_from_environment" in line
+
+
+def _startup_site_dir():
+    import site
+
+    for folder in site.getsitepackages():
+        if os.path.exists(os.path.join(folder, "megapatch-startup.pth")):
+            return folder
+    return None
+
+
+def test_megatron_imported_before_the_hook_runs_still_activates():
+    """issue 28 survivor: the branch for a process where megatron was imported before the startup
+    hook ran (a ``.pth`` sorted before ``megapatch-startup.pth`` that imports it, a
+    sitecustomize...). docs/stack.md: the variables take effect when the process imports megatron,
+    and ``enable()`` works before or after ``import megatron.core``; so here too megapatch must be
+    enabled from the environment, not silently left off. A real interpreter started with ``-S``
+    imports megatron.core from site-packages without running any ``.pth``, then runs
+    site-packages' ``.pth`` files (megapatch's hook among them) as interpreter start does."""
+    import subprocess
+    import sys
+
+    folder = _startup_site_dir()
+    if folder is None:
+        pytest.skip("megapatch-startup.pth is not installed in this environment's site-packages")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.append({folder!r})  # site-packages on the path, no .pth file run yet
+        import megatron.core
+        assert "megapatch" not in sys.modules
+        import site
+        site.addsitedir({folder!r})  # now its .pth files run, megapatch-startup.pth among them
+        assert "megapatch.core.startup" in sys.modules
+    """) + STATUS
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env.update(FP32, PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True,
+                            timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ENABLED True" in result.stdout, (result.stdout, result.stderr[-3000:])
+    assert "tp_reduce.megatron_core" in result.stdout
+    assert "SOURCE env MEGAPATCH_TP_REDUCE_DTYPE" in result.stdout
+
+
+def test_a_bad_value_stops_a_process_that_imported_megatron_before_the_hook():
+    """The same early-import branch with an invalid value: inside a ``.pth`` file site.py swallows
+    an ordinary exception ("Error processing line ...") and the process would run on unpatched;
+    it must stop instead, naming the variable and its value."""
+    import subprocess
+    import sys
+
+    folder = _startup_site_dir()
+    if folder is None:
+        pytest.skip("megapatch-startup.pth is not installed in this environment's site-packages")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.append({folder!r})
+        import megatron.core
+        import site
+        site.addsitedir({folder!r})
+        print("RAN ON")
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env.update(MEGAPATCH_TP_REDUCE_DTYPE="bogus", PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True,
+                            timeout=180, cwd=REPO)
+    assert result.returncode != 0 and "RAN ON" not in result.stdout, (result.stdout, result.stderr[-3000:])
+    assert "MEGAPATCH_TP_REDUCE_DTYPE" in result.stderr and "bogus" in result.stderr, result.stderr[-3000:]
+

@@ -81,3 +81,39 @@ def test_a_cached_verdict_never_imports_the_checker(te_tree, tmp_path):
     assert later.returncode == 0, later.stderr[-3000:]
     assert later.stdout == first.stdout.replace(" True\n", " False\n")
     assert sys.modules.get("megapatch.te_check.wiring") is wiring  # (this process: untouched)
+
+
+def test_another_patch_module_or_an_edited_checker_is_checked_again(te_tree, tmp_path, monkeypatch):
+    """issue 28 survivor: the key must cover megapatch's side too. Two patch modules (or two
+    versions of one) on the same TE get their own verdicts, never each other's cached one; an
+    edited static checker checks again. Each stand-in module's verdict names it, so a verdict
+    served from the other's cache entry shows."""
+    import types
+
+    root, _calls = te_tree
+    seen = []
+
+    def check(sources, spec):  # a verdict of this (TE, patch module) pair
+        seen.append(spec.__name__)
+        return [f"{spec.__name__} not wired"]
+
+    monkeypatch.setattr(wiring, "check", check)
+    modules = {}
+    for name in ("patch_a", "patch_b"):
+        path = tmp_path / f"{name}.py"
+        path.write_text(f"# the TE patch module {name}\nNAME = {name!r}\n")
+        modules[name] = types.ModuleType(name)
+        modules[name].__file__ = str(path)
+    a, b = modules["patch_a"], modules["patch_b"]
+    assert verdict.verdict(str(root), a) == (("patch_a not wired",), "checked")
+    assert verdict.verdict(str(root), b) == (("patch_b not wired",), "checked")  # not a's entry
+    problems, origin = verdict.verdict(str(root), a)
+    assert problems == ("patch_a not wired",) and origin.startswith("cache "), origin
+    with open(a.__file__, "a") as f:
+        f.write("# edited: another megapatch release\n")
+    assert verdict.verdict(str(root), a) == (("patch_a not wired",), "checked")
+    checker = tmp_path / "wiring.py"
+    checker.write_text(open(verdict._CHECKER).read() + "\n# edited checker\n")
+    monkeypatch.setattr(verdict, "_CHECKER", str(checker))
+    assert verdict.verdict(str(root), b) == (("patch_b not wired",), "checked")
+    assert seen == ["patch_a", "patch_b", "patch_a", "patch_b"], seen

@@ -355,3 +355,114 @@ def test_status_names_the_wire_and_accumulator_of_each_mode(mode, backend):
         assert patch.backend().startswith(backend), patch.backend()
     finally:
         megapatch.disable()
+
+
+# -- issue 28 item 8: survivors of the fresh hand-made sample ------------------------------------
+
+SPLITS = {2: [3, 6], 4: [1, 4, 2, 3]}  # uneven token counts per TP rank (MoE), rows not divisible by TP
+
+
+def _uneven_reduce_scatter(ctx):
+    """MoE's uneven reduce-scatters, called as megatron-core calls them: the combine path's
+    ``reduce_scatter_to_sequence_parallel_region(..., input_split_sizes=)`` (token_dispatcher.py)
+    and the backward of the dispatch path's ``gather_from_sequence_parallel_region(...,
+    output_split_sizes=)`` (upstream's backward, called with the ctx its forward would have set:
+    gloo cannot all-gather uneven shards). World 4 as TP=2 x DP=2 (world size is not the TP size:
+    a sum over the wrong ranks is caught), then TP=4 (four BF16 partials: a BF16 running sum loses
+    bits). The oracle: the all-gather of every TP rank's FP32 input, a plain FP32 sum (integers:
+    exact in any order), this rank's rows rounded once to the caller's dtype."""
+    from types import SimpleNamespace
+
+    import megapatch
+    from megatron.core.tensor_parallel import mappings
+    from megapatch.testing import reinit_model_parallel
+
+    found = {}
+    for layout in ("tp2xdp2", "tp4"):
+        if layout == "tp4":
+            ctx = reinit_model_parallel(ctx, tp=4)
+        tp, t, group, splits = ctx.tp_size, ctx.tp_rank, ctx.tp_group, SPLITS[ctx.tp_size]
+        rows = sum(splits)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = _partial("exact", (rows, 5), t, ctx.dp_rank, tp).to(dtype)  # position/rank-dependent
+            gathered = [torch.empty(rows, 5) for _ in range(tp)]
+            torch.distributed.all_gather(gathered, x.float(), group=group)
+            assert torch.equal(gathered[t], x.float())
+            total = torch.stack(gathered).sum(dim=0)
+            start = sum(splits[:t])
+            want = total[start:start + splits[t]].to(dtype)
+            for mode in ("native",) + MODES:
+                megapatch.enable(tp_reduce_dtype=mode)
+                combine = mappings.reduce_scatter_to_sequence_parallel_region(
+                    x, group=group, input_split_sizes=splits)
+                dispatch_ctx = SimpleNamespace(tensor_parallel_output_grad=True, group=group,
+                                               output_split_sizes=splits, use_global_buffer=False)
+                dispatch_grad = mappings._GatherFromSequenceParallelRegion.backward(dispatch_ctx, x)[0]
+                found[(layout, str(dtype), mode)] = {
+                    path: (str(got.dtype), tuple(got.shape), got.float(), want.float())
+                    for path, got in (("combine forward", combine), ("dispatch backward", dispatch_grad))}
+    megapatch.disable()
+    return found
+
+
+def test_uneven_split_reduce_scatter_keeps_the_callers_dtype_and_equals_the_gathered_sum():
+    """issue 28 survivor: the uneven-split (MoE) reduce-scatter returned FP32 instead of the
+    caller's BF16/FP16, and no test passed split sizes."""
+    _needs_fp32_reductions()
+    ranks = run_ranks(_uneven_reduce_scatter, world_size=4, tp=2, timeout=300)
+    checked = 0
+    for rank, found in enumerate(ranks):
+        for (layout, dtype, mode), paths in found.items():
+            for path, (got_dtype, shape, got, want) in paths.items():
+                assert shape == want.shape, (rank, layout, path, shape)  # this rank's split
+                if mode == "native":
+                    continue
+                checked += 1
+                assert got_dtype == dtype, (rank, layout, dtype, mode, path, got_dtype)
+                assert torch.equal(got, want), (rank, layout, dtype, mode, path,
+                                                (got - want).abs().max().item())
+    assert checked == 4 * 2 * 2 * 2 * 2  # ranks x layouts x dtypes x modes x paths
+    # the oracle can fail: natively gloo sums four BF16 partials in BF16
+    missed = {(rank, path) for rank, found in enumerate(ranks)
+              for path, (_d, _s, got, want) in found[("tp4", "torch.bfloat16", "native")].items()
+              if not torch.equal(got, want)}
+    assert len(missed) >= 4, missed
+
+
+def _own_tp_group(ctx):
+    """World 2 with megatron's TP size 1 (its TP groups are single ranks), and a RowParallelLinear
+    built with its own ``tp_group`` over both ranks, as a model-parallel-aware caller (MoE
+    experts, Megatron-Bridge's pg_collection) builds it. The FP32 reduction must run over the
+    layer's group: its oracle is the all-gather over that group and a plain FP32 matmul."""
+    import megapatch
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    assert ctx.tp_size == 1
+    group = torch.distributed.new_group([0, 1])
+    found = {}
+    for mode in ("native", "fp32"):
+        megapatch.enable(tp_reduce_dtype=mode)
+        layer = RowParallelLinear(512, 16, config=_linear_config(tp=2), init_method=None, bias=False,
+                                  input_is_parallel=True, skip_bias_add=False, tp_group=group)
+        assert layer.tp_group is group and layer.input_size_per_partition == 256
+        with torch.no_grad():
+            layer.weight.copy_(_integer_tensor((16, 256), seed=100 + ctx.rank))
+        x = _integer_tensor((6, 1, 256), seed=200 + ctx.rank)
+        with torch.no_grad():
+            out, _ = layer(x)
+        xs, ws = [torch.empty(6, 1, 256) for _ in range(2)], [torch.empty(16, 256) for _ in range(2)]
+        torch.distributed.all_gather(xs, x.float(), group=group)
+        torch.distributed.all_gather(ws, layer.weight.detach().float(), group=group)
+        oracle = (torch.cat(xs, dim=-1) @ torch.cat(ws, dim=-1).t()).to(torch.bfloat16)
+        found[mode] = (str(out.dtype), torch.equal(out, oracle), (out.float() - oracle.float()).abs().max().item())
+    megapatch.disable()
+    return found
+
+
+def test_a_layer_with_its_own_tp_group_is_reduced_in_fp32_over_that_group():
+    """issue 28 (weak): the reduction of a layer built with its own tp_group, where megatron's
+    default TP group differs (size 1 here), must be the FP32 one over the layer's group."""
+    _needs_fp32_reductions()
+    for rank, found in enumerate(run_ranks(_own_tp_group, world_size=2, tp=1, timeout=300)):
+        assert found["fp32"][:2] == ("torch.bfloat16", True), (rank, found)
+        assert found["native"][1] is False, (rank, found)  # BF16-rounded partials: the oracle can fail

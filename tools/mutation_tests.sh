@@ -32,6 +32,7 @@ case $module in
   patches/logits.py) tests=(
     "$T/test_logits.py::test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_it"
     "$T/test_logits.py::test_an_output_layer_other_than_column_parallel_linear_is_refused_at_construction"
+    "$T/test_logits.py::test_a_model_built_with_its_own_bf16_logit_dtype_is_refused_at_construction"
     "$T/test_logits.py::test_gpt_fp32_logits_contract_and_accuracy"
     "$T/test_logits.py::test_an_output_layer_swapped_in_after_construction_is_refused_at_forward"
     "$T/test_logits.py::test_the_marked_layer_must_run_or_the_model_call_fails"
@@ -55,12 +56,14 @@ case $module in
     "$T/test_tp_reduce_megatron_core.py::test_only_the_tp_layers_reduce_scatter_is_wrapped_not_torchs_function_elsewhere"
     "$T/test_tp_reduce_megatron_core.py::test_status_names_the_wire_and_accumulator_of_each_mode"
     "$T/test_tp_reduce_megatron_core.py::test_every_tp_reduction_equals_the_rank_order_fp32_oracle"
+    "$T/test_tp_reduce_megatron_core.py::test_uneven_split_reduce_scatter_keeps_the_callers_dtype_and_equals_the_gathered_sum"
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
     "$T/test_tp_reduce_megatron_core.py::test_disabled_megapatch_is_bit_identical_to_stock") ;;
   patches/_common.py) tests=(
     "$T/test_cross_rank.py::test_different_settings_in_one_tp_group_are_refused"
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
     "$T/test_tp_reduce_megatron_core.py::test_every_tp_reduction_equals_the_rank_order_fp32_oracle"
+    "$T/test_tp_reduce_megatron_core.py::test_a_layer_with_its_own_tp_group_is_reduced_in_fp32_over_that_group"
     "$T/test_lifecycle.py") ;;
   megapatch/core/cross_rank.py) tests=(
     "$T/test_cross_rank.py::test_reconfigured_forgets_verified_groups_and_arms_the_first_call_check"
@@ -73,6 +76,7 @@ case $module in
     "$T/test_cross_rank.py::test_different_logits_dtype_in_one_tp_group_is_refused"
     "$T/test_cross_rank.py::test_a_peer_without_megapatch_is_named_after_the_timeout"
     "$T/test_cross_rank.py::test_data_parallel_replicas_with_different_settings_are_refused"
+    "$T/test_cross_rank.py::test_data_parallel_replicas_at_tp1_with_different_settings_are_refused"
     "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch") ;;
   patches/cross_rank.py) tests=("$T/test_cross_rank.py") ;;
   *) echo "no tests listed for $module in $0" >&2; exit 2 ;;

@@ -45,7 +45,12 @@ def activate_from_environment() -> None:
     if any(getattr(finder, "megapatch_trigger", False) for finder in sys.meta_path) or _armed:
         return
     if any(name in sys.modules for name in TRIGGERS):  # imported before the hook ran (rare)
-        arm()
+        try:
+            arm()
+        except Exception as exc:  # noqa: BLE001 -- re-raised as what site.py does not swallow
+            # Running inside a .pth file here: site.py prints an Exception as "Error processing
+            # line ..." and carries on, megapatch silently off. A bad value must stop the process.
+            raise SystemExit(f"megapatch: {type(exc).__name__}: {exc}") from None
         return
     sys.meta_path.insert(0, _Trigger())
 
