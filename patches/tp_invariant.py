@@ -20,7 +20,11 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   added in their fixed order; with pipeline parallelism the stages' totals are added in stage order.
 * ``TransformerBlock.__init__`` and ``DistributedOptimizer.__init__``: what the mode cannot cover
   is refused when the model or optimizer is built, before any step (the forward-time checks stay,
-  for a config changed after construction).
+  for a config changed after construction): config fields, and shapes the fixed tree cannot split
+  (the TP size against the width, every TP-split dimension, in a Megatron-LM job the padded
+  vocabulary: ``megapatch.numerics.block_shapes``, which ``megapatch doctor`` calls too).
+  ``ColumnParallelLinear.__init__`` refuses an output size the width does not divide when the
+  layer is built (a GPT's output layer, outside any block).
 
 Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
 all-gathers, the norms' per-token work and replicated parameters' gradients (same full tensors on every rank),
@@ -51,7 +55,7 @@ import functools
 
 import torch
 
-from megapatch.numerics import fp32_output_linear
+from megapatch.numerics import block_shapes, fp32_output_linear
 from megapatch.numerics import block_tree as tpi
 from megapatch.core.call_args import argument
 from megapatch.core.errors import UnsupportedConfigurationError
@@ -117,6 +121,25 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
     out_dtype = fp32_output_linear.requested_output_dtype()
     return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype, halves)
+
+
+def _column_init(wrapped, instance, args, kwargs):
+    """A column-parallel layer whose outputs the width cannot split is refused when it is built:
+    the layers of a transformer block are checked from its config before (``_block_init``), so
+    this catches the others, a GPT's output layer (the padded vocabulary) first of all."""
+    result = wrapped(*args, **kwargs)
+    if tpi.active():
+        group = tp_group(instance)
+        tpi.blocks_per_rank(group)
+        outputs = argument(args, kwargs, 1, "output_size")
+        vocabulary = block_shapes.megatron_lm_vocabulary()
+        if vocabulary is not None and vocabulary.padded_vocab_size == outputs:
+            refusal = block_shapes.vocabulary_refusal(vocabulary, tpi.group_size(group))
+            if refusal:
+                _refuse(*refusal)
+        tpi.check_divisible(f"the output features of a {type(instance).__name__} being built (a GPT's output "
+                            f"layer: its padded vocabulary)", outputs, outputs // tpi.group_size(group), group)
+    return result
 
 
 def _row_forward(wrapped, instance, args, kwargs):
@@ -239,10 +262,10 @@ def _mlp_forward(wrapped, instance, args, kwargs):
     if not tpi.active():
         return wrapped(*args, **kwargs)
     config = instance.config
-    if getattr(config, "use_te_activation_func", False):
-        _refuse("use_te_activation_func", "Transformer Engine kernels choose their blocking by shape")
-    if config.bias_activation_fusion:
-        _refuse("bias_activation_fusion", "the fused kernels are not verified for this mode yet")
+    for field in ("use_te_activation_func", "bias_activation_fusion"):
+        refusal = _field_refusal(config, field)
+        if refusal:
+            _refuse(*refusal)
     for layer in (instance.linear_fc1, instance.linear_fc2):
         _refuse_te(layer)
     if not config.gated_linear_unit:
@@ -254,40 +277,57 @@ def _mlp_forward(wrapped, instance, args, kwargs):
 
 # -- refusals at model and optimizer construction -------------------------------------------------
 
-#: (config field, is it refused for this value, Megatron-LM flag that sets it, why)
-_REFUSED_CONFIG = (
-    ("qk_layernorm", bool, "--qk-layernorm",
-     "its weight gradient sums over the heads TP splits, outside the fixed tree"),
-    ("gradient_accumulation_fusion", bool, "on by default; --no-gradient-accumulation-fusion",
-     "its fused wgrad GEMM accumulates by shape"),
-    ("bias_activation_fusion", bool, "on by default; --no-bias-gelu-fusion / --no-bias-swiglu-fusion",
-     "the fused kernels are not verified for this mode yet"),
-    ("use_te_activation_func", bool, "--use-te-activation-func",
-     "Transformer Engine kernels choose their blocking by shape"),
-    ("defer_embedding_wgrad_compute", bool, "--defer-embedding-wgrad-compute",
-     "the deferred wgrad runs outside the layer"),
-    ("num_moe_experts", bool, "--num-experts", "expert layers are not covered by this mode yet"),
+def _fused_activation_flag(config) -> str:
+    # Megatron-LM sets bias_activation_fusion from --bias-swiglu-fusion for --swiglu, else from
+    # --bias-gelu-fusion: only one of the two flags counts for a given model
+    swiglu = getattr(config, "gated_linear_unit", False)
+    return f"on by default; {'--no-bias-swiglu-fusion' if swiglu else '--no-bias-gelu-fusion'}"
+
+
+#: config field -> (is it refused for this value, Megatron-LM flag that sets it (or a function of
+#: the config giving it), why)
+_REFUSED_CONFIG = {
+    "qk_layernorm": (bool, "--qk-layernorm",
+                     "its weight gradient sums over the heads TP splits, outside the fixed tree"),
+    "gradient_accumulation_fusion": (bool, "on by default; --no-gradient-accumulation-fusion",
+                                     "its fused wgrad GEMM accumulates by shape"),
+    "bias_activation_fusion": (bool, _fused_activation_flag,
+                               "the fused kernels are not verified for this mode yet"),
+    "use_te_activation_func": (bool, "--use-te-activation-func",
+                               "Transformer Engine kernels choose their blocking by shape"),
+    "defer_embedding_wgrad_compute": (bool, "--defer-embedding-wgrad-compute",
+                                      "the deferred wgrad runs outside the layer"),
+    "num_moe_experts": (bool, "--num-experts", "expert layers are not covered by this mode yet"),
     # off by default in Megatron-LM, on by default in Megatron-Bridge's GPTModelProvider: Bridge's
     # pretrain at TP 2 printed other losses than at TP 1 with it (results/bridge.md)
-    ("cross_entropy_loss_fusion", bool,
-     "--cross-entropy-loss-fusion; Megatron-Bridge: provider.cross_entropy_loss_fusion=False",
-     "megatron-core's fused vocab-parallel cross entropy all-reduces the TP partials of its "
-     "sum of exponentials itself, outside the fixed tree"),
-)
+    "cross_entropy_loss_fusion": (
+        bool, "--cross-entropy-loss-fusion; Megatron-Bridge: provider.cross_entropy_loss_fusion=False",
+        "megatron-core's fused vocab-parallel cross entropy all-reduces the TP partials of its "
+        "sum of exponentials itself, outside the fixed tree"),
+}
 
 
-def _config_refusals(config):
-    """``[(what, why), ...]``: every config field the mode cannot cover."""
-    found = []
-    for field, refused, flag, why in _REFUSED_CONFIG:
-        value = getattr(config, field, None)
-        if refused(value):
-            found.append((f"{field}={value} (Megatron-LM: {flag})", why))
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+def _field_refusal(config, field):
+    """``(what, why)`` when ``config``'s ``field`` has a value the mode cannot cover, else None."""
+    refused, flag, why = _REFUSED_CONFIG[field]
+    value = getattr(config, field, None)
+    if not refused(value):
+        return None
+    return f"{field}={value} (Megatron-LM: {flag(config) if callable(flag) else flag})", why
+
+
+def _config_refusals(config, vocabulary=None):
+    """``[(what, why), ...]``: every config field the mode cannot cover, then the TP size against
+    the width, every TP-split dimension the width does not divide and the padded ``vocabulary``
+    (``block_shapes``; None: not known)."""
+    found = [r for r in (_field_refusal(config, field) for field in _REFUSED_CONFIG) if r]
+    tp = block_shapes.tp_size(config)
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     if groups < tp:
         found.append(_few_kv_groups(groups, tp))
-    return found
+    found += block_shapes.shape_refusals(config)
+    vocabulary_refusal = block_shapes.vocabulary_refusal(vocabulary, tp) if vocabulary is not None else None
+    return found + ([vocabulary_refusal] if vocabulary_refusal else [])
 
 
 def _few_kv_groups(groups: int, tp: int):
@@ -301,13 +341,14 @@ def _described(refusals) -> str:
 
 
 def _check_config(config) -> None:
-    refusals = _config_refusals(config)
+    # in a Megatron-LM job every stage's block refuses its padded vocabulary, naming the flags
+    refusals = _config_refusals(config, block_shapes.megatron_lm_vocabulary())
     if refusals:
         _refuse(*refusals[0])
 
 
 def _preflight_model(config):
-    refusals = _config_refusals(config)
+    refusals = _config_refusals(config, config)  # the flags' config carries the vocabulary's fields
     if getattr(config, "transformer_impl", "local") != "local":
         refusals.append((f"transformer_impl={config.transformer_impl!r} (Megatron-LM: --transformer-impl, "
                          f"default transformer_engine; use --transformer-impl local)", _TE_WHY))
@@ -511,6 +552,8 @@ PATCHES = (
         targets=(
             Target(LAYERS, "ColumnParallelLinear._forward_impl", _column_forward_impl, kind="method",
                    params=("self", "input", "weight")),
+            Target(LAYERS, "ColumnParallelLinear.__init__", _column_init, kind="method",
+                   params=("self", "input_size", "output_size")),
             Target(LAYERS, "RowParallelLinear.forward", _row_forward, kind="method",
                    params=("self", "input_")),
             Target(CROSS_ENTROPY, "VocabParallelCrossEntropy.calculate_predicted_logits",
@@ -526,7 +569,7 @@ PATCHES = (
     ),
     _invariant_patch(
         name="tp_invariant.construction",
-        summary="refuses at model construction what tp_invariant does not cover (SP, fusions, TE, MoE, few KV groups)",
+        summary="refuses at model construction what tp_invariant does not cover (fusions, TE, MoE, few KV groups, shapes W cannot split)",
         hook="megatron.core.transformer.transformer_block",
         targets=(Target("megatron.core.transformer.transformer_block", "TransformerBlock.__init__",
                         _block_init, kind="method", params=("self", "config")),),

@@ -2,16 +2,19 @@
 would do; always a report, never a traceback."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import run_python
 
 from megapatch.core import engine
-from megapatch.commands.doctor import diagnose, survey
+from megapatch.commands.doctor import diagnose, render_doctor, survey
 
 DOCTOR = "import sys; from megapatch.commands.cli import main; sys.exit(main({argv!r}))"
 # An upstream whose surface changed: `_reduce`'s parameters renamed, in place before megatron.core
@@ -260,3 +263,96 @@ def test_status_json_without_wrapt_or_torch_names_the_missing_module():
         assert "Traceback" not in result.stdout + result.stderr, (module, result.stderr[-2000:])
         message = json.loads(result.stdout)["result"]["message"]
         assert f"No module named '{module}'" in message and "MEGAPATCH_" not in message, message
+
+
+# -- issue 28: the flags' refusals name their real cause; survivors of the fresh mutation sample ------
+
+def _flags_survey(monkeypatch, flags, **env):
+    """``megapatch doctor -- <flags>`` in this process, with ``env`` as the job's MEGAPATCH_*
+    variables. megatron.core is imported first: activation from the environment is then "not
+    observed" (no startup hook ran here), which is no finding, and the verdict is the flags'."""
+    import megatron.core  # noqa: F401
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return survey(list(flags))
+
+
+def test_a_flag_given_twice_counts_at_its_last_occurrence_as_argparse_takes_it():
+    from megapatch.commands.megatron_lm_flags import config_from_flags
+
+    config = config_from_flags(["--tensor-model-parallel-size", "4", "--transformer-impl=transformer_engine",
+                                "--num-attention-heads=16", "--tensor-model-parallel-size=2",
+                                "--transformer-impl", "local", "--num-attention-heads", "8"])
+    assert (config.tensor_model_parallel_size, config.transformer_impl, config.num_attention_heads) == (2, "local", 8)
+    # the padded vocabulary follows the last TP size and --vocab-size: 304 + 1 EOD up to a multiple of 4 x 2
+    config = config_from_flags(["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--vocab-size", "304",
+                                "--make-vocab-size-divisible-by", "4", "--tensor-model-parallel-size", "8",
+                                "--tensor-model-parallel-size", "2"])
+    assert config.padded_vocab_size == 312
+
+
+def test_the_preflight_leaves_out_patches_the_user_opted_out_of(monkeypatch):
+    """MEGAPATCH_SKIP_PATCHES=logits.fp32_lm_head: that patch's model check never runs in the job,
+    so the doctor must not refuse the model's own BF16 logit dtype in its name (a false refusal)."""
+    flags = ["--output-logit-dtype", "bf16", "--transformer-impl", "local"]
+    refused = _flags_survey(monkeypatch, flags, MEGAPATCH_LOGITS_DTYPE="fp32")
+    assert list(refused["flags"]["refusals"]) == ["logits.fp32_lm_head"]  # the check can refuse
+    assert refused["result"]["code"] == 1
+    skipped = _flags_survey(monkeypatch, flags, MEGAPATCH_SKIP_PATCHES="logits.fp32_lm_head")
+    assert skipped["settings"]["skip_patches"] == ("logits.fp32_lm_head",)
+    assert skipped["flags"]["refusals"] == {} and skipped["result"]["code"] == 0, skipped["result"]
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--transformer-impl", "local",
+        "--no-gradient-accumulation-fusion"]
+
+
+def test_the_padded_vocabulary_refusal_names_it_and_the_flags_that_padded_it(monkeypatch):
+    flags = TINY + ["--no-bias-gelu-fusion", "--vocab-size", "513", "--make-vocab-size-divisible-by", "2",
+                    "--tensor-model-parallel-size", "2"]
+    result = _flags_survey(monkeypatch, flags, MEGAPATCH_TP_INVARIANT="1")
+    assert result["result"]["code"] == 1 and result["flags"]["config"]["padded_vocab_size"] == 516
+    [reason] = result["flags"]["refusals"].values()
+    for part in ("does not support the padded vocabulary of 516 entries: Megatron-LM pads --vocab-size 513 "
+                 "+ 1 EOD token (NullTokenizer) up to a multiple of --make-vocab-size-divisible-by 2 x TP 2 = 4",
+                 "the width W=8 (the default tp_invariant_width=8) does not divide 516",
+                 "set --make-vocab-size-divisible-by to a multiple of 4"):
+        assert part in reason, reason
+    # 513 + 1 pads to 768 with the default --make-vocab-size-divisible-by 128: accepted
+    assert _flags_survey(monkeypatch, flags[:-4] + ["--tensor-model-parallel-size", "2"])["result"]["code"] == 0
+
+
+def test_the_fused_activation_refusal_names_the_one_flag_of_the_models_activation(monkeypatch):
+    swiglu = _flags_survey(monkeypatch, TINY + ["--swiglu", "--no-bias-gelu-fusion"],  # the GELU flag does nothing here
+                           MEGAPATCH_TP_INVARIANT="1")
+    [reason] = swiglu["flags"]["refusals"].values()
+    assert "bias_activation_fusion=True (Megatron-LM: on by default; --no-bias-swiglu-fusion)" in reason, reason
+    assert "gelu" not in reason
+    gelu = survey(TINY + ["--no-bias-swiglu-fusion"])
+    [reason] = gelu["flags"]["refusals"].values()
+    assert "bias_activation_fusion=True (Megatron-LM: on by default; --no-bias-gelu-fusion)" in reason, reason
+    assert "swiglu" not in reason
+    assert survey(TINY + ["--swiglu", "--no-bias-swiglu-fusion"])["result"]["code"] == 0
+
+
+def test_transformer_engine_missing_is_said_first_before_any_megapatch_reason(monkeypatch):
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    flags = [f for f in TINY if f not in ("--transformer-impl", "local")] + ["--no-bias-gelu-fusion"]
+    result = _flags_survey(monkeypatch, flags, MEGAPATCH_TP_INVARIANT="1")
+    assert result["result"]["code"] == 1
+    assert result["result"]["message"].startswith(
+        "with these Megatron-LM flags the job would stop before its first step: Transformer Engine is not "
+        "installed; megapatch would then refuse it too (tp_invariant.construction)"), result["result"]
+    [stop] = result["flags"]["stops"]
+    assert stop.startswith("Transformer Engine is not installed") and "--transformer-impl local" in stop
+    lines = render_doctor(result).splitlines()
+    first = next(i for i, line in enumerate(lines) if "STOPS FIRST" in line or "REFUSED" in line)
+    assert "STOPS FIRST, upstream: Transformer Engine is not installed" in lines[first], lines[first:]
+    # without the mode nothing megapatch refuses; the job still stops, and the doctor says so
+    monkeypatch.delenv("MEGAPATCH_TP_INVARIANT")
+    plain = survey(flags)
+    assert plain["flags"]["refusals"] == {} and plain["flags"]["stops"] and plain["result"]["code"] == 1
+    assert survey(TINY + ["--no-bias-gelu-fusion"])["flags"]["stops"] == []  # --transformer-impl local

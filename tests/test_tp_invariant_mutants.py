@@ -190,7 +190,7 @@ def _config(**overrides):
 @pytest.mark.parametrize("field,value,flag", [
     ("qk_layernorm", True, "--qk-layernorm"),
     ("gradient_accumulation_fusion", True, "--no-gradient-accumulation-fusion"),
-    ("bias_activation_fusion", True, "--no-bias-swiglu-fusion"),
+    ("bias_activation_fusion", True, "--no-bias-gelu-fusion"),  # a GELU model: its flag only
     ("use_te_activation_func", True, "--use-te-activation-func"),
     ("defer_embedding_wgrad_compute", True, "--defer-embedding-wgrad-compute"),
     ("num_moe_experts", 4, "--num-experts"),

@@ -9,12 +9,14 @@ watches, so a job's activation from ``MEGAPATCH_*`` happens here exactly as it w
 job (an error it raises is reported, not shown as a traceback), then disables it again and
 checks every patch against the original upstream.
 
-Exit codes: 0 everything requested can apply; 1 a requested patch cannot apply, or activation
-from the environment fails or never happens; 2 an invalid ``MEGAPATCH_*`` value.
+Exit codes: 0 everything requested can apply; 1 a requested patch cannot apply, activation
+from the environment fails or never happens, or (``doctor -- <Megatron-LM flags>``) the flags'
+job would be refused or stop before its first step; 2 an invalid ``MEGAPATCH_*`` value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -22,7 +24,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from megapatch.core.version import __version__
-from megapatch.core import engine, options, report, upstream_versions
+from megapatch.core import engine, options, report, state, upstream_versions
 from megapatch.core.report import _table
 
 OK, CANNOT_APPLY, INVALID_ENVIRONMENT = 0, 1, 2
@@ -168,7 +170,7 @@ def survey(flags: Optional[List[str]] = None) -> dict:
                               "activation": {"state": "unknown", "detail": ""},
                               "upstream_warnings": 0, "patches": [], "problems": [],
                               "flags": None if flags is None else {"argv": list(flags), "config": {},
-                                                                   "refusals": {}}}
+                                                                   "stops": [], "refusals": {}}}
     _, error = _guard("doctor", lambda: _survey(result))
     if error:  # a defect of doctor itself: still report what was gathered
         result["problems"].append(error)
@@ -224,7 +226,7 @@ def _survey(result: dict) -> None:
             result["patches"].append(row)
     result["upstream_warnings"] += len(caught)
     if result["flags"] is not None:
-        _preflight(result, {getattr(p, "name", None): p for p in patches})
+        _preflight(result, {getattr(p, "name", None): p for p in patches}, settings)
     code, message = _verdict(result, strict)
     result["result"] = {"code": code, "message": message}
 
@@ -237,8 +239,35 @@ def _stacks() -> dict:
             for package, (_module, specifier) in upstream_versions.STACKS_TESTED.items()}
 
 
-def _preflight(result: dict, patches: dict) -> None:
-    """What each requested patch's construction-time checks would say of the flags' model."""
+TE_MISSING = "Transformer Engine is not installed"
+
+
+def _upstream_stops(config) -> List[str]:
+    """What stops the flags' job before any megapatch check could: Megatron-LM's default
+    Transformer Engine layers where TE is not installed."""
+    if getattr(config, "transformer_impl", None) == "transformer_engine" and not _findable("transformer_engine"):
+        return [f"{TE_MISSING}, and --transformer-impl transformer_engine (Megatron-LM's default) needs it: "
+                f"the job stops while building its layer specification (upstream raises NameError: "
+                f"TESpecProvider), before any megapatch check. Pass --transformer-impl local, or install "
+                f"transformer-engine"]
+    return []
+
+
+@contextlib.contextmanager
+def _settings_of_the_job(settings: options.Settings, sources: dict):
+    """The job's settings as the current ones while the preflight checks run: they read the
+    options (``tp_invariant_width``) and name their sources as the job's refusals would."""
+    before = state.current(), state.sources()
+    state.set_current(settings, sources)
+    try:
+        yield
+    finally:
+        state.set_current(*before)
+
+
+def _preflight(result: dict, patches: dict, settings: Optional[options.Settings]) -> None:
+    """What stops the flags' job upstream, then what each requested patch's construction-time
+    checks would say of the flags' model (patches opted out of are not run: they refuse nothing)."""
     from megapatch.commands.megatron_lm_flags import config_from_flags
 
     flags = result["flags"]
@@ -247,20 +276,28 @@ def _preflight(result: dict, patches: dict) -> None:
         result["problems"].append(error)
         return
     flags["config"] = dict(vars(config))
-    for row in result["patches"]:
-        patch = patches.get(row["name"])
-        if patch is None or patch.preflight is None or not row["requested"] or row["opted_out"] or result["disabled"]:
-            continue
-        reason, error = _guard(f"{patch.name} preflight", lambda p=patch: p.preflight(config))
-        if reason or error:
-            origin = result["sources"].get(patch.option, "")
-            flags["refusals"][patch.name] = f"{patch.option}: {reason or error} ({patch.option} from {origin})"
+    flags["stops"] = _upstream_stops(config)
+    if settings is None or result["disabled"]:
+        return
+    with _settings_of_the_job(settings, result["sources"]):
+        for row in result["patches"]:
+            patch = patches.get(row["name"])
+            if patch is None or patch.preflight is None or not row["requested"] or row["opted_out"]:
+                continue
+            reason, error = _guard(f"{patch.name} preflight", lambda p=patch: p.preflight(config))
+            if reason or error:
+                origin = result["sources"].get(patch.option, "")
+                flags["refusals"][patch.name] = f"{patch.option}: {reason or error} ({patch.option} from {origin})"
 
 
 def _verdict(result: dict, strict: bool):
     if result["error"] is not None:
         return INVALID_ENVIRONMENT, "an invalid MEGAPATCH_* value (exit 2)"
     refusals = (result["flags"] or {}).get("refusals")
+    if (result["flags"] or {}).get("stops"):
+        also = f"; megapatch would then refuse it too ({', '.join(refusals)})" if refusals else ""
+        return CANNOT_APPLY, (f"with these Megatron-LM flags the job would stop before its first step: "
+                              f"{TE_MISSING}{also} (exit 1)")
     if refusals:
         return CANNOT_APPLY, (f"with these Megatron-LM flags the job would be refused before its first "
                               f"step by {', '.join(refusals)} (exit 1)")
@@ -365,6 +402,8 @@ def _flags_lines(result: dict) -> List[str]:
     lines = ["", "Megatron-LM flags: " + (" ".join(flags["argv"]) or "(none)")]
     if flags["config"]:
         lines.append("  model and optimizer they build: " + ", ".join(f"{k}={v}" for k, v in flags["config"].items()))
+    for reason in flags.get("stops", ()):
+        lines.append(f"  STOPS FIRST, upstream: {reason}")
     for name, reason in flags["refusals"].items():
         lines.append(f"  REFUSED by {name}: {reason}")
     if flags["config"] and not flags["refusals"]:

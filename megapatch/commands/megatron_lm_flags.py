@@ -1,7 +1,9 @@
 """The model a Megatron-LM job will build, read from its command line (``megapatch doctor --
 <flags>``): the megatron-core config fields megapatch's preflight checks look at, with
 Megatron-LM core_v0.16.1's defaults for flags the command line leaves out
-(``megatron/training/arguments.py``; ``tests/test_doctor.py`` checks them against that parser).
+(``megatron/training/arguments.py``, the padded vocabulary as ``megatron/training/tokenizer``
+pads it; ``tests/test_megatron_lm.py::test_doctor_reads_flags_as_megatron_lm_parses_them`` checks
+them against that parser and that padding).
 
 Only the flags below are read; anything else on the command line is ignored.
 """
@@ -11,8 +13,11 @@ from __future__ import annotations
 import types
 from typing import Dict, Optional, Sequence
 
+from megapatch.numerics.block_shapes import padded_vocabulary
+
 
 def _value(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The flag's value; a flag given twice counts at its last occurrence, as argparse does."""
     found = None
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
@@ -32,17 +37,43 @@ def _int(argv: Sequence[str], flag: str, default: Optional[int]) -> Optional[int
         raise ValueError(f"{flag} {text!r} is not an integer") from None
 
 
+def _padded_vocab_size(argv: Sequence[str], tp: int) -> Optional[int]:
+    """``args.padded_vocab_size`` as Megatron-LM's ``build_tokenizer`` sets it: ``--padded-vocab-size``,
+    else padded from ``--vocab-size``; None where only the tokenizer's files would tell."""
+    padded = _int(argv, "--padded-vocab-size", None)
+    if padded is not None:
+        return padded
+    return padded_vocabulary(_int(argv, "--vocab-size", None), _value(argv, "--tokenizer-type"),
+                             _int(argv, "--make-vocab-size-divisible-by", 128), tp)
+
+
+def _ffn_hidden_size(argv: Sequence[str], hidden: Optional[int], swiglu: bool) -> Optional[int]:
+    """``--ffn-hidden-size``, else Megatron-LM's default (``validate_args``)."""
+    ffn = _int(argv, "--ffn-hidden-size", None)
+    if ffn is not None or hidden is None:
+        return ffn
+    return int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+
+
 def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
     """The config fields (and ``transformer_impl``, ``use_distributed_optimizer``,
-    ``num_distributed_optimizer_instances``) a Megatron-LM
-    job started with ``argv`` builds its model and optimizer with."""
+    ``num_distributed_optimizer_instances``, the vocabulary's and the sequence's sizes) a
+    Megatron-LM job started with ``argv`` builds its model and optimizer with."""
     flags = set(a.split("=", 1)[0] for a in argv)
     swiglu = "--swiglu" in flags
     heads = _int(argv, "--num-attention-heads", None)
+    hidden = _int(argv, "--hidden-size", None)
+    tp = _int(argv, "--tensor-model-parallel-size", 1)
+    kv_channels = _int(argv, "--kv-channels", None)
+    if kv_channels is None and hidden is not None and heads:
+        kv_channels = hidden // heads
     fields: Dict[str, object] = dict(
-        tensor_model_parallel_size=_int(argv, "--tensor-model-parallel-size", 1),
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=_int(argv, "--pipeline-model-parallel-size", 1),
         num_attention_heads=heads,
+        hidden_size=hidden,
+        ffn_hidden_size=_ffn_hidden_size(argv, hidden, swiglu),
+        kv_channels=kv_channels,
         # --num-query-groups counts only with --group-query-attention (else one group per head)
         num_query_groups=_int(argv, "--num-query-groups", 1) if "--group-query-attention" in flags else None,
         gated_linear_unit=swiglu,
@@ -59,6 +90,12 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         num_distributed_optimizer_instances=_int(argv, "--num-distributed-optimizer-instances", 1),
         # Megatron-LM main's --output-logit-dtype {bf16,fp32} (dest logit_dtype; PR #6252)
         logit_dtype=_value(argv, "--output-logit-dtype"),
+        seq_length=_int(argv, "--seq-length", None),
+        # the vocabulary: the padded size the model is built with, and the flags that set it
+        padded_vocab_size=_padded_vocab_size(argv, tp),
+        vocab_size=_int(argv, "--vocab-size", None),
+        make_vocab_size_divisible_by=_int(argv, "--make-vocab-size-divisible-by", 128),
+        tokenizer_type=_value(argv, "--tokenizer-type"),
     )
     if heads is None:
         fields["num_attention_heads"] = fields["num_query_groups"] or 1

@@ -26,25 +26,20 @@ from typing import List, Optional, Sequence
 import torch
 from torch.distributed import distributed_c10d as c10d
 
-from megapatch.core import options, state
+from megapatch.core import state
 from megapatch.core.errors import OptionError
-
-WIDTH_OPTION = "tp_invariant_width"
+from megapatch.numerics.block_shapes import WIDTH_OPTION, valid_widths, width  # noqa: F401 (used as tpi.*)
 
 
 def active() -> bool:
     return bool(getattr(state.current(), "tp_invariant", False))
 
 
-def width() -> int:
-    return int(getattr(state.current(), "tp_invariant_width", 8))
-
-
 def blocks_per_rank(group) -> int:
     """W / t for this TP group; refuses a TP size that does not divide W."""
     w, t = width(), group_size(group)
     if w % t:
-        valid = ", ".join(str(v) for v in options.OPTIONS_BY_NAME[WIDTH_OPTION].choices if v % t == 0)
+        valid = valid_widths(t)
         raise OptionError(
             f"megapatch tp_invariant: {WIDTH_OPTION}={w} ({state.origin(WIDTH_OPTION)}) is not a multiple of the "
             f"tensor-parallel size {t}; results are TP-invariant only for TP sizes dividing the width. "

@@ -1,0 +1,175 @@
+"""Issue 28 item 1: ``megapatch doctor -- <Megatron-LM flags>`` refuses exactly what the run
+refuses, and the run refuses it when the model is built, never at its first step.
+
+For each flag set of the table: the doctor's verdict (in this process, the job's MEGAPATCH_*
+variables set), and the run's: the model those flags describe built with real megatron-core on
+CPU ranks, megapatch switched on from the same variables, then one forward (a refusal there
+would be a refusal at the first step). The flags-to-config reading is checked against
+Megatron-LM's own parser in ``tests/test_megatron_lm.py``. Each row's expected verdict is
+worked out by hand below (an independent oracle); one row also runs Megatron-LM's
+``pretrain_gpt.py`` itself.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from megapatch.commands.doctor import survey
+from megapatch.commands.megatron_lm_flags import config_from_flags
+from megapatch.testing import run_ranks
+from megapatch.testing.ranks import megatron_lm_runs as mlm
+
+LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--no-bias-swiglu-fusion")
+
+
+def _flags(tp, *, hidden=64, heads=4, vocab=255, extra=()):
+    return mlm.tiny_gpt_flags(tp=tp, hidden=hidden, heads=heads, vocab=vocab, extra=extra)
+
+
+#: name -> (flags, MEGAPATCH_* variables, what both must name when refused, else None)
+TABLE = {
+    # the issue's three: the doctor said OK, the run refused at its first step
+    "width 2 at TP 4, Llama flags, 4 query groups": (
+        _flags(4, hidden=128, heads=8, extra=LLAMA + ("--group-query-attention", "--num-query-groups", "4")),
+        {"MEGAPATCH_TP_INVARIANT_WIDTH": "2"},
+        "the tensor-parallel size 4 (--tensor-model-parallel-size) with the width W=2"),
+    "width 128, SwiGLU FFN 320 at TP 2": (  # 320 = 2.5 x 128 per gate/up half; 640 for both
+        _flags(2, hidden=128, heads=8, extra=LLAMA + ("--ffn-hidden-size", "320")),
+        {"MEGAPATCH_TP_INVARIANT_WIDTH": "128"},
+        "ffn_hidden_size=320 (--ffn-hidden-size), the size of each of the SwiGLU fc1's gate and up halves"),
+    "vocab 513, divisible by 2, TP 2": (  # 513 + 1 EOD = 514, padded to a multiple of 2 x 2: 516 = 4 x 129
+        _flags(2, vocab=513, extra=("--make-vocab-size-divisible-by", "2")), {}, "516"),
+    # refused from a config field, for comparison
+    "GELU with Megatron-LM's fused bias-GELU, TP 2": (
+        [f for f in _flags(2) if f != "--no-bias-gelu-fusion"], {},
+        "bias_activation_fusion=True (Megatron-LM: on by default; --no-bias-gelu-fusion)"),
+    # accepted
+    "Llama flags, 4 query groups, TP 4": (
+        _flags(4, hidden=128, heads=8, extra=LLAMA + ("--group-query-attention", "--num-query-groups", "4")), {}, None),
+    "width 16, SwiGLU FFN 320 at TP 2": (  # 320 = 20 x 16
+        _flags(2, hidden=128, heads=8, extra=LLAMA + ("--ffn-hidden-size", "320")),
+        {"MEGAPATCH_TP_INVARIANT_WIDTH": "16"}, None),
+    "vocab 513 at TP 2, the default padding": (_flags(2, vocab=513), {}, None),  # 514 -> 768 = 3 x 256
+    "width 2 at TP 2": (_flags(2), {"MEGAPATCH_TP_INVARIANT_WIDTH": "2"}, None),
+}
+
+
+def _doctor(monkeypatch, flags, env):
+    """The doctor's survey of ``flags`` in this process under the job's variables (megatron.core
+    imported first, so that the unobservable activation from the environment is no finding)."""
+    import megatron.core  # noqa: F401
+
+    monkeypatch.setenv("MEGAPATCH_TP_INVARIANT", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return survey(list(flags))
+
+
+def _model(ctx, config_fields):
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+    from megapatch.testing.models.tiny_gpt import llama_config
+
+    c = config_fields
+    fields = dict(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                  ffn_hidden_size=c.ffn_hidden_size, kv_channels=c.kv_channels,
+                  bias_activation_fusion=c.bias_activation_fusion)
+    if c.gated_linear_unit:
+        config = llama_config(ctx.tp_size, num_query_groups=c.num_query_groups or c.num_attention_heads, **fields)
+        return build_tiny_gpt(config, vocab_size=c.padded_vocab_size, seq_len=c.seq_length,
+                              position_embedding_type="rope")
+    return build_tiny_gpt(tiny_gpt_config(ctx.tp_size, **fields), vocab_size=c.padded_vocab_size,
+                          seq_len=c.seq_length)
+
+
+def _run_side(ctx, flags, env):
+    """(when, message): refused at "construction", at the first "forward", or (None, None)."""
+    import megapatch
+    from megapatch.core.errors import MegapatchError
+    from megapatch.testing import make_batch, reinit_model_parallel
+
+    config = config_from_flags(flags)
+    for name in ("MEGAPATCH_TP_INVARIANT_WIDTH",):
+        os.environ.pop(name, None)
+    os.environ.update({"MEGAPATCH_TP_INVARIANT": "1", **env})
+    megapatch.disable()
+    megapatch.enable()  # from the environment, as in the job: the messages name the variables
+    ctx = reinit_model_parallel(ctx, tp=config.tensor_model_parallel_size)
+    try:
+        model = _model(ctx, config)
+    except MegapatchError as exc:
+        return "construction", str(exc)
+    batch = make_batch(seed=1, batch=1, seq_len=config.seq_length, vocab=config.vocab_size)
+    try:
+        model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    except MegapatchError as exc:
+        return "forward", str(exc)
+    return None, None
+
+
+def _job(ctx):
+    out = {name: _run_side(ctx, flags, env) for name, (flags, env, _) in TABLE.items()}
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_job, world_size=4, tp=1, timeout=600)[0]
+
+
+def _said(message: str) -> str:
+    """A construction refusal's ``does not support <what>: <why>``, as the doctor lists it."""
+    return message.split("megapatch tp_invariant=True ", 1)[-1].split(". tp_invariant was set by ", 1)[0]
+
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_the_doctor_refuses_what_the_run_refuses_at_construction(runs, monkeypatch, name):
+    flags, env, cause = TABLE[name]
+    doctor = _doctor(monkeypatch, flags, env)
+    when, message = runs[name]
+    refusals = doctor["flags"]["refusals"]
+    assert when != "forward", f"refused only at the first step: {message}"
+    if cause is None:
+        assert (when, refusals, doctor["result"]["code"]) == (None, {}, 0), (message, refusals)
+        return
+    assert when == "construction" and doctor["result"]["code"] == 1, (when, doctor["result"])
+    listed = "; ".join(refusals.values())
+    assert cause in message and cause in listed, (cause, message, listed)
+    if message.startswith("megapatch tp_invariant=True does not support"):  # the same words
+        assert _said(message) in listed, (message, listed)
+
+
+# -- Megatron-LM's own pretrain_gpt.py -----------------------------------------------------------
+
+TARBALL = Path(os.environ.get("MEGATRON_LM_TARBALLS", Path(REPO).parent / "shared" / "megatron-lm")) \
+    / mlm.TARBALLS["core_v0.16.1"]
+
+
+@pytest.fixture(scope="module")
+def megatron_lm(tmp_path_factory):
+    missing = mlm.missing_training_modules()
+    if missing:
+        pytest.skip(f"Megatron-LM's pretrain_gpt.py needs {', '.join(missing)} (pip install them)")
+    if not TARBALL.is_file():
+        pytest.skip(f"no Megatron-LM source: {TARBALL} is absent")
+    return mlm.unpack(TARBALL, tmp_path_factory.mktemp("megatron-lm"))
+
+
+def test_pretrain_gpt_refuses_the_padded_vocabulary_at_construction_in_the_doctors_words(megatron_lm, monkeypatch):
+    """`--vocab-size 513 --make-vocab-size-divisible-by 2` at TP 2: Megatron-LM pads to 516, which
+    the width 8 does not divide. The job stops while building the model (it never prints its
+    parameter count, let alone a loss), with the doctor's sentence naming the flags."""
+    flags, env, _ = TABLE["vocab 513, divisible by 2, TP 2"]
+    run = mlm.launch(megatron_lm, flags, nproc=2, megapatch_env={"MEGAPATCH_TP_INVARIANT": "1"}, timeout=300)
+    assert run.returncode != 0 and not run.losses, run.tail()
+    assert "building GPT model" in run.log and "number of parameters" not in run.log, run.tail()
+    [listed] = _doctor(monkeypatch, flags, env)["flags"]["refusals"].values()
+    said = ("does not support the padded vocabulary of 516 entries: Megatron-LM pads --vocab-size 513 + 1 EOD "
+            "token (NullTokenizer) up to a multiple of --make-vocab-size-divisible-by 2 x TP 2 = 4")
+    assert said in listed, listed
+    lines = [line for line in run.log.splitlines() if "megapatch: UnsupportedConfigurationError" in line
+             and "full message" not in line]  # rank 0's whole message; rank 1 names it in short
+    assert len(lines) == 1, run.tail()
+    assert _said(lines[0]) in listed and said in lines[0], (lines[0], listed)
