@@ -271,6 +271,35 @@ def test_tp_invariant_resume_at_another_tp_size_is_bit_identical(checkout, tmp_p
 
 
 @pytest.mark.slow
+def test_tp_invariant_distributed_optimizer_resume_at_another_tp_size_is_bit_identical(checkout, tmp_path_factory):
+    """Issue 28 item 4: the same scenario with --use-distributed-optimizer, saved in upstream's fully
+    reshardable format (what a TP change needs: upstream refuses dp_reshardable checkpoints at
+    another TP size). Resumes at TP 4 and 1 equal the TP=2 resume in every per-token loss, printed
+    loss, grad norm and checkpoint tensor (FP32 main parameters, Adam moments), and the TP=2 resume
+    equals the uninterrupted run's per-token losses and final checkpoint. Runs through three
+    labelled stand-ins for upstream's torch-Adam (no apex/TE) load path
+    (megapatch.testing.stand_ins.megatron_lm_compat): without the one that gives each parameter its
+    own Adam step, the resumed run leaves the uninterrupted one after its first step."""
+    from megapatch.testing.scenarios import tp_resume
+
+    _tp_invariant_revision(checkout)
+    work = tmp_path_factory.mktemp("tp-resume-distopt")
+    runs = tp_resume.experiment(checkout[1], work, {"MEGAPATCH_TP_INVARIANT": "1"}, probe=PROBE,
+                                resume_tps=(2, 4, 1), label="distopt", timeout=TIMEOUT,
+                                extra=("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"))
+    same, full = runs["resume2"], runs["full"]
+    reference = same.tensors()
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in reference), sorted(reference)[:10]
+    assert same.loss_hashes == full.loss_hashes[-len(same.loss_hashes):]
+    assert tp_resume.differences(full.tensors(), reference) == {}
+    for tp in (4, 1):
+        run = runs[f"resume{tp}"]
+        assert run.loss_hashes == same.loss_hashes, tp
+        assert (run.losses, run.grad_norms) == (same.losses, same.grad_norms), tp
+        assert tp_resume.differences(run.tensors(), reference) == {}, tp
+
+
+@pytest.mark.slow
 def test_tp_invariant_grad_norms_over_pipeline_stages_are_tp_independent(checkout):
     """TP x PP: PP=2 at TP=1 (world 2) and TP=2 (world 4) print the same losses and grad norms
     (the norm adds the stages' invariant totals in stage order); native reductions do not."""
@@ -366,15 +395,30 @@ def test_doctor_refuses_several_distributed_optimizer_instances_for_the_mode(che
 
 # Megatron-LM's argparse names -> what megapatch.commands.megatron_lm_flags calls them
 _PARSED = """
-import json, sys
+import copy, json, os, sys
 sys.path.insert(0, ".")
-from megatron.training.arguments import parse_args
+from megatron.training import arguments
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.tokenizer import build_tokenizer
+# as a launch sets them (megatron_lm_runs.launch_env; megatron_lm_compat's CPU architecture stand-in)
+arguments.get_device_arch_version = lambda: 0
+os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 out = []
 for argv in json.loads(sys.argv[1]):
     sys.argv = ["pretrain_gpt.py", *argv]
     a = parse_args(ignore_unknown_args=True)
     swiglu = a.swiglu
-    out.append(dict(
+    sizes = {}
+    if a.num_layers is not None:  # a whole command line: the sizes validate_args derives, the padding
+        v = copy.deepcopy(a)
+        v.world_size = v.tensor_model_parallel_size * v.pipeline_model_parallel_size
+        validate_args(v, {})
+        build_tokenizer(v)  # sets padded_vocab_size
+        sizes = dict(hidden_size=v.hidden_size, ffn_hidden_size=v.ffn_hidden_size, kv_channels=v.kv_channels,
+                     padded_vocab_size=v.padded_vocab_size,
+                     vocab_size=v.vocab_size, make_vocab_size_divisible_by=v.make_vocab_size_divisible_by,
+                     seq_length=v.seq_length)
+    out.append(dict(**sizes,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
         num_query_groups=a.num_query_groups if a.group_query_attention else None,
@@ -394,11 +438,18 @@ print("PARSED" + json.dumps(out))
 def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
     """megapatch doctor -- <flags> derives the model a job builds from its flags: every field it
     reads, for several command lines, equals what Megatron-LM's own parser makes of them
-    (defaults included: gradient-accumulation and bias-activation fusion on, TE layers)."""
+    (defaults included: gradient-accumulation and bias-activation fusion on, TE layers; for whole
+    command lines the sizes ``validate_args`` derives and the vocabulary as its tokenizer pads it)."""
     from megapatch.commands.megatron_lm_flags import config_from_flags
 
     lines = [["--num-attention-heads", "8"],
              mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=LLAMA_FLAGS + ("--no-bias-swiglu-fusion",)),
+             # issue 28: the padded vocabulary (513 + 1 EOD to a multiple of 2 x 2), the GELU FFN default,
+             # a flag given twice (argparse keeps the last), --kv-channels and --ffn-hidden-size
+             mlm.tiny_gpt_flags(tp=4, hidden=128, heads=8, vocab=513, extra=(
+                 "--make-vocab-size-divisible-by", "2", "--tensor-model-parallel-size", "2")),
+             mlm.tiny_gpt_flags(tp=1, hidden=128, heads=8, extra=LLAMA_FLAGS + (
+                 "--kv-channels", "32", "--ffn-hidden-size", "320", "--no-bias-swiglu-fusion")),
              ["--num-attention-heads", "8", "--sequence-parallel", "--use-distributed-optimizer",
               "--no-bias-gelu-fusion", "--num-experts", "4", "--use-te-activation-func",
               "--defer-embedding-wgrad-compute", "--tensor-model-parallel-size=4", "--cross-entropy-loss-fusion",
