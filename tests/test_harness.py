@@ -436,3 +436,33 @@ def test_interleaved_backward_pass_uses_the_forward_activations(interleaved):
 def test_batched_p2p_at_pp2_is_refused_not_silently_wrong(interleaved):
     for result in interleaved:
         assert result["guard"] is not None and "batch_p2p_comm" in result["guard"]
+
+
+_JOIN_FAILED = """Traceback (most recent call last):
+  File "megapatch/testing/ranks/harness.py", line 290, in _rank_main
+    pickled = pickle.dumps(_run_user_fn(spec, payload))
+  File "megapatch/testing/ranks/harness.py", line 234, in _run_user_fn
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+  File "torch/distributed/distributed_c10d.py", line 2169, in _new_process_group_helper
+    backend_class = ProcessGroupGloo(
+RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:28342.
+"""
+_IN_FN = _JOIN_FAILED.replace("""  File "torch/distributed/distributed_c10d.py\"""", """  File "megapatch/testing/ranks/harness.py", line 247, in _run_user_fn
+    return fn(ctx, *args, **kwargs)
+  File "tests/test_x.py", line 3, in job
+    dist.new_group([0, 1])
+  File "torch/distributed/distributed_c10d.py\"""", 1)
+
+
+def test_only_a_group_that_never_formed_is_run_again():
+    """A gloo job whose ranks failed to connect inside init_process_group (seen once under
+    pytest-xdist: another job's process dialled a port this job's rank had got) runs once more;
+    a failure once the job's function runs, a timeout, or a mix with another error, never."""
+    from megapatch.testing.ranks.harness import group_never_formed
+
+    assert "return fn(ctx" in _IN_FN
+    assert group_never_formed(RankFailure("rank 0 failed", 0, {0: _JOIN_FAILED, 2: _JOIN_FAILED}))
+    assert not group_never_formed(RankFailure("rank 0 failed", 0, {0: _IN_FN}))
+    assert not group_never_formed(RankFailure("rank 0 failed", 0, {0: _JOIN_FAILED, 1: "ValueError: boom"}))
+    assert not group_never_formed(RankFailure("rank 1 exited with code -11", 1, {}))
+    assert not group_never_formed(RankTimeout("ranks [0] timed out", [0]))

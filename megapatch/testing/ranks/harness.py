@@ -488,6 +488,33 @@ def run_ranks(
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
     start = start_method(start, backend)
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    job = dict(world_size=world_size, tp=tp, pp=pp, vpp=vpp, timeout=timeout, env=env,
+               init_megatron=init_megatron, workarounds=workarounds, parallel_kwargs=parallel_kwargs,
+               stderr_dir=stderr_dir, backend=backend, start=start, preload=preload)
+    try:
+        return _run_job(payload, **job)
+    except RankFailure as failure:
+        if not group_never_formed(failure):
+            raise
+        # Gloo's TCP pairs find each other by address only: with other gloo jobs on the machine
+        # (pytest-xdist workers), a process still dialling a dead peer's port can reach a listener
+        # of this job that got the same port, and the handshake breaks. fn never ran: run it again.
+        print(f"megapatch.testing: the ranks' gloo group did not form (rank {failure.rank}: Gloo "
+              f"connectFullMesh failed); running the job once more", file=sys.stderr, flush=True)
+        return _run_job(payload, **job)
+
+
+def group_never_formed(failure: "RankFailure") -> bool:
+    """Whether every rank that reported failed inside ``init_process_group`` with a gloo
+    connection error, before the job's function was called (nothing of the test ran)."""
+    if isinstance(failure, RankTimeout) or not failure.tracebacks:
+        return False
+    return all("connectFullMesh" in text and "init_process_group(" in text and "return fn(ctx" not in text
+               for text in failure.tracebacks.values())
+
+
+def _run_job(payload: bytes, *, world_size, tp, pp, vpp, timeout, env, init_megatron, workarounds,
+             parallel_kwargs, stderr_dir, backend, start, preload) -> List[Any]:
     tmpdir = tempfile.mkdtemp(prefix="megapatch-ranks-")
     procs: List[Any] = []
     try:
