@@ -402,7 +402,10 @@ import copy, json, os, sys
 sys.path.insert(0, ".")
 from megatron.training import arguments
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.tokenizer import build_tokenizer
+try:  # core_v0.16.1; Megatron-LM main moved it (pretrain_gpt.py imports it from megatron.core there)
+    from megatron.training.tokenizer import build_tokenizer
+except ImportError:
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 # as a launch sets them (megatron_lm_runs.launch_env; megatron_lm_compat's CPU architecture stand-in)
 arguments.get_device_arch_version = lambda: 0
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
@@ -443,8 +446,6 @@ def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
     reads, for several command lines, equals what Megatron-LM's own parser makes of them
     (defaults included: gradient-accumulation and bias-activation fusion on, TE layers; for whole
     command lines the sizes ``validate_args`` derives and the vocabulary as its tokenizer pads it)."""
-    from megapatch.commands.megatron_lm_flags import config_from_flags
-
     lines = [["--num-attention-heads", "8"],
              mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=LLAMA_FLAGS + ("--no-bias-swiglu-fusion",)),
              # issue 28: the padded vocabulary (513 + 1 EOD to a multiple of 2 x 2), the GELU FFN default,
@@ -461,9 +462,21 @@ def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
                             capture_output=True, text=True, timeout=300)
     assert parsed.returncode == 0, parsed.stderr[-3000:]
     expected = json.loads(parsed.stdout.split("PARSED", 1)[1])
-    for argv, fields in zip(lines, expected):
-        mine = vars(config_from_flags(argv))
-        assert {k: mine[k] for k in fields} == fields, argv
+    # the doctor's view from inside the checkout, as `python -m megapatch doctor` run there sees its
+    # megatron (core_v0.16.1's NullTokenizer adds the EOD token to --vocab-size, main's does not)
+    mine = subprocess.run([sys.executable, "-c", _DOCTOR_VIEW, json.dumps(lines)], cwd=str(checkout[1]),
+                          capture_output=True, text=True, timeout=300)
+    assert mine.returncode == 0, mine.stderr[-3000:]
+    for argv, fields, derived in zip(lines, expected, json.loads(mine.stdout.split("DERIVED", 1)[1])):
+        assert {k: derived[k] for k in fields} == fields, argv
+
+
+_DOCTOR_VIEW = """
+import json, sys
+sys.path.insert(0, ".")
+from megapatch.commands.megatron_lm_flags import config_from_flags
+print("DERIVED" + json.dumps([vars(config_from_flags(argv)) for argv in json.loads(sys.argv[1])], default=str))
+"""
 
 
 def _doctor(flags, env):

@@ -44,7 +44,20 @@ def _padded_vocab_size(argv: Sequence[str], tp: int) -> Optional[int]:
     if padded is not None:
         return padded
     return padded_vocabulary(_int(argv, "--vocab-size", None), _value(argv, "--tokenizer-type"),
-                             _int(argv, "--make-vocab-size-divisible-by", 128), tp)
+                             _int(argv, "--make-vocab-size-divisible-by", 128), tp,
+                             eod_added=_null_tokenizer_adds_eod())
+
+
+def _null_tokenizer_adds_eod() -> bool:
+    """Whether the importable megatron's NullTokenizer counts its EOD token on top of --vocab-size
+    (core_v0.16.1: ``vocab_size + 1``) or inside it (Megatron-LM main): asked of upstream's own
+    class; where it cannot be imported, core_v0.16.1's rule."""
+    try:
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+        return NullTokenizer(8).vocab_size == 9
+    except Exception:  # noqa: BLE001 -- no megatron here, or another tokenizer layout
+        return True
 
 
 def _ffn_hidden_size(argv: Sequence[str], hidden: Optional[int], swiglu: bool) -> Optional[int]:

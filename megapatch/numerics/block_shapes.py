@@ -97,15 +97,16 @@ _NULL_TOKENIZERS = ("NullTokenizer",)  # their vocabulary is --vocab-size plus o
 
 
 def padded_vocabulary(vocab_size: Optional[int], tokenizer_type: Optional[str], divisible_by: int,
-                      tp: int) -> Optional[int]:
+                      tp: int, eod_added: bool = True) -> Optional[int]:
     """The size Megatron-LM builds the model with from ``--vocab-size``: the NullTokenizer's
     vocabulary (plus its EOD token) rounded up to a multiple of ``--make-vocab-size-divisible-by``
     x TP (``megatron/training/tokenizer``: ``_vocab_size_with_padding``); None for other
-    tokenizers, whose vocabulary comes from their files."""
+    tokenizers, whose vocabulary comes from their files. ``eod_added``: core_v0.16.1's NullTokenizer
+    adds the EOD token; Megatron-LM main's takes it inside ``--vocab-size`` (EOD = vocab_size - 1)."""
     if vocab_size is None or tokenizer_type not in _NULL_TOKENIZERS:
         return None
     multiple = divisible_by * tp
-    return -(-(vocab_size + 1) // multiple) * multiple
+    return -(-(vocab_size + int(eod_added)) // multiple) * multiple
 
 
 def vocabulary_refusal(vocabulary, tp: int) -> Optional[Refusal]:
