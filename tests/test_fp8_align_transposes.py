@@ -330,10 +330,15 @@ def test_without_vpp_behaviour_is_unchanged(runs):
         assert on["decision"]["reason"] == "no interleaved schedule call seen yet"  # never wrapped
 
 
-def test_status_reports_the_patch_without_a_call():
+def test_status_reports_the_patch_without_a_call(monkeypatch):
     import megapatch
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    from megapatch.patches import fp8_align_transposes as pm
 
+    # the last decision is process-wide: an in-process test of this file that ran the aligned path
+    # (pytest-xdist puts them in one worker, in any order) must not decide what "no call" shows
+    monkeypatch.setattr(pm, "last_decision", {"aligned": False, "reason": "no interleaved schedule call seen yet",
+                                              "chunks": 0})
     megapatch.enable(align_fp8_transposes=True)
     report = megapatch.status().patch("fp8.align_transposes")
     assert report.state == "active"
