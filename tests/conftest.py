@@ -69,3 +69,23 @@ def run_python(code: str, env: dict = None, timeout: int = 180, fresh: bool = Tr
         return rank_server.run_code(textwrap.dedent(code), env=full_env, cwd=REPO, timeout=timeout)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def pinned_megatron_lm(tmp_path_factory, name: str = "core_v0.16.1"):
+    """The pinned Megatron-LM tarball ``name`` unpacked into a fresh temporary directory (from
+    ``$MEGATRON_LM_TARBALLS`` or ``<repo>/../shared/megatron-lm``); skips, saying what is missing,
+    where its training dependencies or the tarball are absent."""
+    from pathlib import Path
+
+    import pytest
+
+    from megapatch.testing.ranks import megatron_lm_runs as mlm
+
+    missing = mlm.missing_training_modules()
+    if missing:
+        pytest.skip(f"Megatron-LM's pretrain_gpt.py needs {', '.join(missing)}: pip install '.[megatron-lm]'")
+    tarball = Path(os.environ.get("MEGATRON_LM_TARBALLS", Path(REPO).parent / "shared" / "megatron-lm")) \
+        / mlm.TARBALLS[name]
+    if not tarball.is_file():
+        pytest.skip(f"no pinned Megatron-LM sources: {tarball} is absent")
+    return mlm.unpack(tarball, tmp_path_factory.mktemp(f"megatron-lm-{name}"))

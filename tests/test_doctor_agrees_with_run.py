@@ -11,11 +11,10 @@ worked out by hand below (an independent oracle); one row also runs Megatron-LM'
 """
 
 import os
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import pinned_megatron_lm
 from megapatch.commands.doctor import survey
 from megapatch.commands.megatron_lm_flags import config_from_flags
 from megapatch.testing import run_ranks
@@ -143,18 +142,9 @@ def test_the_doctor_refuses_what_the_run_refuses_at_construction(runs, monkeypat
 
 # -- Megatron-LM's own pretrain_gpt.py -----------------------------------------------------------
 
-TARBALL = Path(os.environ.get("MEGATRON_LM_TARBALLS", Path(REPO).parent / "shared" / "megatron-lm")) \
-    / mlm.TARBALLS["core_v0.16.1"]
-
-
 @pytest.fixture(scope="module")
 def megatron_lm(tmp_path_factory):
-    missing = mlm.missing_training_modules()
-    if missing:
-        pytest.skip(f"Megatron-LM's pretrain_gpt.py needs {', '.join(missing)} (pip install them)")
-    if not TARBALL.is_file():
-        pytest.skip(f"no Megatron-LM source: {TARBALL} is absent")
-    return mlm.unpack(TARBALL, tmp_path_factory.mktemp("megatron-lm"))
+    return pinned_megatron_lm(tmp_path_factory)
 
 
 def test_pretrain_gpt_refuses_the_padded_vocabulary_at_construction_in_the_doctors_words(megatron_lm, monkeypatch):

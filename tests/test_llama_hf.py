@@ -18,14 +18,12 @@ Tolerances come from measurement (``results/llama_hf.md`` has the benchmark's fi
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
+from conftest import pinned_megatron_lm
 from megapatch.testing.scenarios import llama_hf as L
-from megapatch.testing.ranks import megatron_lm_runs as mlm
 
-TARBALL = Path(__file__).resolve().parents[2] / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"]
 SEQ, BATCH = 64, 2
 SMALL = dict(hidden=128, heads=4, kv_heads=2, ffn=384, layers=2, vocab=1024)
 FP32_TOL = 1e-5
@@ -38,12 +36,7 @@ def checkout(tmp_path_factory):
     missing = L.missing_dependencies()
     if missing:
         pytest.skip(f"the Llama path needs {', '.join(missing)}: pip install '.[{L.EXTRA_NAME}]'")
-    missing = mlm.missing_training_modules()
-    if missing:
-        pytest.skip(f"Megatron-LM needs {', '.join(missing)}: pip install '.[megatron-lm]'")
-    if not TARBALL.is_file():
-        pytest.skip(f"no pinned Megatron-LM sources: {TARBALL} is absent")
-    return mlm.unpack(TARBALL, tmp_path_factory.mktemp("megatron-lm-llama"))
+    return pinned_megatron_lm(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

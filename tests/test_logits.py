@@ -2,6 +2,8 @@
 contract (bit-identical to native given the same BF16 upstream gradient), accuracy against an
 FP32 reference, TP 1/2/4, sequence parallel, parallel_output, tied embeddings."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -139,27 +141,38 @@ class _MXFP8Head(torch.nn.Module):
         return torch.matmul(input_, (self.weight if weight is None else weight).t()), None
 
 
-class _TensorParallelWithForeignHead:
-    """``megatron.core.tensor_parallel`` as gpt_model sees it, except that it builds the foreign head."""
+class _TensorParallelBuilding:
+    """``megatron.core.tensor_parallel`` as gpt_model sees it, except that it builds ``head``."""
 
-    def __init__(self, real):
-        self._real = real
-        self.ColumnParallelLinear = _MXFP8Head
+    def __init__(self, real, head):
+        self._real, self.ColumnParallelLinear = real, head
 
     def __getattr__(self, name):
         return getattr(self._real, name)
 
 
+@contextlib.contextmanager
+def _gpt_model_building(head):
+    """gpt_model's GPTModel.__init__ builds ``head`` as its output layer in this block; megapatch is
+    disabled and the module restored on exit."""
+    from megatron.core.models.gpt import gpt_model
+
+    real = gpt_model.tensor_parallel
+    gpt_model.tensor_parallel = _TensorParallelBuilding(real, head)
+    try:
+        yield
+    finally:
+        gpt_model.tensor_parallel = real
+        megapatch.disable()
+
+
 def _construct_with_foreign_head(ctx):
     """GPTModel whose own __init__ builds the foreign output layer: refused at construction under
     logits_dtype='fp32' (before any training step), built normally when megapatch is off."""
-    from megatron.core.models.gpt import gpt_model
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
     found = {}
-    real = gpt_model.tensor_parallel
-    gpt_model.tensor_parallel = _TensorParallelWithForeignHead(real)
-    try:
+    with _gpt_model_building(_MXFP8Head):
         for mode in ("native", "fp32"):
             megapatch.enable(logits_dtype=mode)
             try:
@@ -167,9 +180,6 @@ def _construct_with_foreign_head(ctx):
                 found[mode] = f"built: output layer {type(model.output_layer).__name__}"
             except UnsupportedConfigurationError as exc:
                 found[mode] = f"refused: {exc}"
-    finally:
-        gpt_model.tensor_parallel = real
-        megapatch.disable()
     return found
 
 
@@ -181,16 +191,6 @@ def test_an_output_layer_other_than_column_parallel_linear_is_refused_at_constru
         and "TELMHeadColumnParallelLinear" in message and "_MXFP8Head" in message, message
 
 
-class _TensorParallelBuilding:
-    """``megatron.core.tensor_parallel`` as gpt_model sees it, except that it builds ``head``."""
-
-    def __init__(self, real, head):
-        self._real, self.ColumnParallelLinear = real, head
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 def _construct_with_own_logit_dtype(ctx, logit_dtype):
     """A real GPTModel whose own __init__ builds an output layer with its own logit dtype.
 
@@ -199,7 +199,6 @@ def _construct_with_own_logit_dtype(ctx, logit_dtype):
     ``GPTModel.__init__`` passes ``output_dtype=self.logit_dtype`` to its output layer's
     ColumnParallelLinear, which keeps it as ``self.output_dtype``. Here the ColumnParallelLinear
     that gpt_model builds is the real class, given that attribute inside its own construction."""
-    from megatron.core.models.gpt import gpt_model
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megapatch.testing import build_tiny_gpt, make_batch, tiny_gpt_config
 
@@ -209,10 +208,8 @@ def _construct_with_own_logit_dtype(ctx, logit_dtype):
             self.output_dtype = logit_dtype  # PR #6252: ColumnParallelLinear(output_dtype=logit_dtype)
 
     found = {}
-    real = gpt_model.tensor_parallel
-    gpt_model.tensor_parallel = _TensorParallelBuilding(real, PR6252ColumnParallelLinear)
     batch = make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB)
-    try:
+    with _gpt_model_building(PR6252ColumnParallelLinear):
         for mode in ("native", "fp32"):
             megapatch.enable(logits_dtype=mode)
             try:
@@ -227,9 +224,6 @@ def _construct_with_own_logit_dtype(ctx, logit_dtype):
                 found[mode] = f"{built}, logits {logits.dtype}"
             except UnsupportedConfigurationError as exc:
                 found[mode] = f"{built}, refused at forward: {exc}"
-    finally:
-        gpt_model.tensor_parallel = real
-        megapatch.disable()
     return found
 
 
