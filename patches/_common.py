@@ -21,6 +21,9 @@ MEGATRON_CORE_TP_INVARIANT_TESTED = {"megatron-core": ">=0.16,<0.21"}
 TRANSFORMER_ENGINE_TESTED = {"transformer-engine": ">=2.9,<=2.20.2"}
 
 LAYERS = "megatron.core.tensor_parallel.layers"
+#: on a RowParallelLinear of an MoE layer's experts (patches/tp_reduce_moe.py): under fp32 it hands
+#: on its FP32 accumulator unrounded, for the MoE layer to sum on and round once
+MOE_FP32_SUM = "_megapatch_moe_fp32_sum"
 #: megatron-core's linear autograd Functions (FP32 outputs, FP32 row-parallel accumulators)
 LINEAR_FUNCTIONS = ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight")
 

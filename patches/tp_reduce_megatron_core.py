@@ -12,6 +12,8 @@ Covers every floating-point reduction over the TP group in ``megatron.core.tenso
   those two backwards the wrapper passes straight through;
 * ``RowParallelLinear.forward`` (mode ``fp32``): the layer's GEMM hands its FP32 accumulator to
   the reduction, so partial sums are never rounded to BF16; the sum (plus bias) is rounded once.
+  A layer inside an MoE layer (marked by ``tp_reduce.moe``) hands on the FP32 result unrounded,
+  reduced or not, for the MoE layer to round once.
   The FP32 output itself comes from the ``linear.fp32_output`` patch; if it is not in place, the
   layer raises instead of reducing BF16-rounded partials.
 
@@ -32,7 +34,7 @@ from megapatch.core.registry import Patch, Target
 from megapatch.core.scope import scoped
 from megapatch.numerics.dtypes import LOW_PRECISION
 from megapatch.patches._common import (LAYERS, LINEAR_FUNCTIONS, MEGATRON_CORE_TP_REDUCE_TESTED,
-                                       reduction_mode, tp_group)
+                                       MOE_FP32_SUM, reduction_mode, tp_group)
 
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
 
@@ -93,10 +95,10 @@ def _linear_backward(wrapped, instance, args, kwargs):
 
 def _row_parallel_forward(wrapped, instance, args, kwargs):
     input_ = argument(args, kwargs, 0, "input_")
-    if (state.current().tp_reduce_dtype != "fp32"
-            or input_.dtype not in LOW_PRECISION
-            or getattr(instance, "explicit_expert_comm", False)
-            or tp_group(instance).size() == 1):
+    if state.current().tp_reduce_dtype != "fp32" or input_.dtype not in LOW_PRECISION:
+        return wrapped(*args, **kwargs)
+    in_moe = getattr(instance, MOE_FP32_SUM, False)  # the MoE layer sums on and rounds once
+    if not in_moe and (getattr(instance, "explicit_expert_comm", False) or tp_group(instance).size() == 1):
         return wrapped(*args, **kwargs)
     with fp32_output_linear.output_dtype(torch.float32):
         output, output_bias = wrapped(*args, **kwargs)
@@ -104,7 +106,7 @@ def _row_parallel_forward(wrapped, instance, args, kwargs):
         raise UpstreamSurfaceError(
             f"megapatch tp_reduce_dtype='fp32': RowParallelLinear produced {output.dtype}, not its FP32 "
             f"GEMM accumulator (is the linear.fp32_output patch skipped? see megapatch.status())")
-    return output.to(input_.dtype), output_bias
+    return (output if in_moe else output.to(input_.dtype)), output_bias
 
 
 def _backend():

@@ -308,8 +308,10 @@ def test_cpu_workarounds_nest_and_restore_everything():
     from megapatch.testing import cpu_workarounds, workarounds_active
     from megapatch.testing.stand_ins.cpu_compat import WORKAROUNDS, _resolve
 
+    absent = object()  # an attribute a stand-in creates (moe_utils.te_general_gemm without TE)
+
     def targets():
-        return {(w.module, w.attr): getattr(*_resolve(w)) for w in WORKAROUNDS}
+        return {(w.module, w.attr): getattr(*_resolve(w), absent) for w in WORKAROUNDS}
 
     before = targets()
     with cpu_workarounds():
@@ -331,6 +333,7 @@ def test_cpu_workarounds_nest_and_restore_everything():
     assert not workarounds_active()
     assert all(after is before[key] for key, after in targets().items())
     assert all(inside[key] is not before[key] for key in before)
+    assert absent not in inside.values()
 
 
 @pytest.mark.timeout(180)

@@ -98,6 +98,8 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         defer_embedding_wgrad_compute="--defer-embedding-wgrad-compute" in flags,
         cross_entropy_loss_fusion="--cross-entropy-loss-fusion" in flags,
         num_moe_experts=_int(argv, "--num-experts", None),
+        moe_token_dispatcher_type=_value(argv, "--moe-token-dispatcher-type") or "allgather",
+        moe_grouped_gemm="--moe-grouped-gemm" in flags,
         transformer_impl=_value(argv, "--transformer-impl") or "transformer_engine",
         use_distributed_optimizer="--use-distributed-optimizer" in flags,
         num_distributed_optimizer_instances=_int(argv, "--num-distributed-optimizer-instances", 1),

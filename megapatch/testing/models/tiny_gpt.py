@@ -142,10 +142,22 @@ def _num_layers_to_build(config: TransformerConfig, vp_stage: Optional[int]) -> 
     return get_num_layers_to_build(config)
 
 
+def _spec_kwargs(config: TransformerConfig) -> Dict[str, Any]:
+    """The local spec's switches this config needs: MoE layers (sequential experts: grouped GEMM
+    needs TE or the grouped_gemm package) and QK layernorm. Empty for a dense model without QK
+    norm, so the dense spec is upstream's default one."""
+    kwargs: Dict[str, Any] = {}
+    if getattr(config, "num_moe_experts", None):
+        kwargs.update(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if getattr(config, "qk_layernorm", False):
+        kwargs["qk_layernorm"] = True
+    return kwargs
+
+
 def _layer_spec(config: TransformerConfig, vp_stage: Optional[int]):
     """The local GPT layer spec; with SP and no Apex, a block spec using
     :class:`SequenceParallelTorchNorm` for every norm (final norm included)."""
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(**_spec_kwargs(config))
     if not config.sequence_parallel:
         return spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

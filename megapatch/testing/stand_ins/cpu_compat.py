@@ -34,6 +34,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
+from megapatch.testing.stand_ins import moe_cpu
+
 __all__ = ["cpu_workarounds", "workarounds_active", "WORKAROUNDS", "Workaround"]
 
 _RANDOM_MODULE = "megatron.core.tensor_parallel.random"
@@ -55,6 +57,7 @@ class Workaround:
     replaces: str
     make: Callable[[Any], Any]
     optional: bool = False  # skipped when this megatron-core lacks the target
+    creates: bool = False  # the module may lack the attribute (``make`` then gets None)
 
 
 # --- replacements -------------------------------------------------------------
@@ -242,6 +245,41 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
         optional=True,
     ),
     Workaround(
+        moe_cpu.MOE_UTILS,
+        "te_general_gemm",
+        "(stand-in) moe_utils.te_general_gemm, unbound without TE (NameError in the MoE router)",
+        moe_cpu.no_te_general_gemm,
+        optional=True,
+        creates=True,
+    ),
+    Workaround(
+        "torch.cuda",
+        "Stream",
+        "(stand-in) torch.cuda.Stream of the alltoall MoE dispatcher's device-to-host copies",
+        moe_cpu.cpu_side_stream,
+    ),
+    Workaround(
+        "torch.cuda",
+        "stream",
+        "torch.cuda.stream(...) around the alltoall MoE dispatcher's device-to-host copies",
+        moe_cpu.cpu_stream_context,
+    ),
+    Workaround(
+        moe_cpu.TOKEN_DISPATCHER,
+        "maybe_move_tensor_to_cpu",
+        "(stand-in) the MoE dispatcher's split sizes as numpy arrays, converted by upstream for "
+        "CUDA tensors only (gloo's all_to_all_single rejects tensors)",
+        moe_cpu.split_sizes_to_numpy,
+        optional=True,
+    ),
+    Workaround(
+        moe_cpu.MAPPINGS,
+        "_gather_along_first_dim",
+        "(stand-in) the MoE dispatchers' uneven all-gather (gloo rejects parts of different "
+        "lengths): padded, gathered, trimmed",
+        moe_cpu.padded_uneven_all_gather,
+    ),
+    Workaround(
         "megatron.core.pipeline_parallel.p2p_communication",
         "_batched_p2p_ops",
         "(guard) batch_isend_irecv with two messages to one peer, mis-matched by gloo",
@@ -314,7 +352,8 @@ def _resolve(workaround: Workaround) -> Optional[Tuple[Any, str]]:
         *path, leaf = workaround.attr.split(".")
         for part in path:
             owner = getattr(owner, part)
-        getattr(owner, leaf)
+        if not workaround.creates:
+            getattr(owner, leaf)
     except (ImportError, AttributeError) as exc:
         if workaround.optional:
             return None
@@ -334,7 +373,7 @@ class Replacements:
 
     def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         """``owner.name = make(original)``, remembering the original (own or inherited)."""
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
         self._saved.append((owner, name, original, name in vars(owner)))
         setattr(owner, name, make(original))
 
@@ -344,7 +383,7 @@ class Replacements:
             owner, name, original, had_own = self._saved.pop()
             if had_own:
                 setattr(owner, name, original)
-            else:
+            elif name in vars(owner):
                 delattr(owner, name)
 
 

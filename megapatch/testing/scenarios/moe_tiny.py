@@ -1,0 +1,184 @@
+"""A tiny Qwen3-MoE-shaped megatron-core model on CPU ranks, run once per megapatch mode.
+
+Shape (Qwen3-30B-A3B scaled down, as Megatron-LM's ``examples/rl/model_configs/qwen3_30b_a3b_moe.sh``
+builds it): every layer MoE, softmax top-k routing renormalised over the chosen experts
+(``moe_router_pre_softmax=False``), SwiGLU experts, QK RMSNorm, grouped-query attention, RoPE,
+RMSNorm, no biases, untied output layer; expert TP = TP; sequence parallelism at TP > 1. The
+local (non-TE) spec with sequential experts; MoE runs on CPU through the labelled stand-ins of
+:mod:`megapatch.testing.stand_ins.moe_cpu`.
+
+:func:`moe_forward` is a rank function for :func:`megapatch.testing.run_ranks` (world = TP x EP,
+the EP ranks being data-parallel replicas fed the same batch). Rank 0 returns, per mode, the
+full logits (FP32 copies of what the model produced), every layer's top-k expert choice per token
+(``[tokens, experts]`` bool, tokens in sequence-major order as at TP=1), the output dtype and, if
+asked, the loss and unsharded gradients.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+#: what each mode asks of megapatch.enable (``native``: megapatch off)
+MODES: Dict[str, Dict[str, Any]] = {
+    "native": {},
+    "fp32": {"tp_reduce_dtype": "fp32"},
+    "fp32-accumulate": {"tp_reduce_dtype": "fp32-accumulate"},
+    "fp32+logits": {"tp_reduce_dtype": "fp32", "logits_dtype": "fp32"},
+}
+
+VOCAB, SEQ, BATCH = 128, 32, 2
+
+
+def qwen3_moe_config(tp: int, dispatcher: str = "alltoall", experts: int = 8, topk: int = 2,
+                     params_dtype: torch.dtype = torch.bfloat16, **overrides: Any):
+    import torch.nn.functional as F
+
+    from megapatch.testing.models.tiny_gpt import tiny_gpt_config
+
+    fields = dict(
+        num_attention_heads=8, num_query_groups=2, qk_layernorm=True, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=32,
+        moe_token_dispatcher_type=dispatcher, moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+        expert_tensor_parallel_size=tp, params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16)
+    fields.update(overrides)
+    return tiny_gpt_config(tp, sequence_parallel=tp > 1, **fields)
+
+
+def build(config, seed: int = 1234):
+    from megapatch.testing.models.tiny_gpt import build_tiny_gpt
+
+    return build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, seed=seed, position_embedding_type="rope")
+
+
+def _global_expert_name(name: str, first_local_expert: int) -> str:
+    match = re.search(r"local_experts\.(\d+)\.", name)
+    if match is None:
+        return name
+    return f"{name[:match.start(1)]}{first_local_expert + int(match.group(1))}{name[match.end(1):]}"
+
+
+def _shard(full: torch.Tensor, param, name: str, gated: bool, rank: int, size: int) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return full
+    if gated and ".linear_fc1." in f".{name}" and param.partition_dim == 0:  # rank r: [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return full.chunk(size, dim=param.partition_dim)[rank]
+
+
+def build_full_then_shard(ctx, ep: int, config, seed: int = 1234):
+    """The model at this rank's TP x EP layout holding the weights the TP=1, EP=1 model is built
+    with (upstream's CPU initialisation draws expert weights from an expert-parallel RNG stream,
+    so a model built at EP=2 would hold other experts): the full model is built first at TP=1,
+    then each parameter of the sharded model takes its slice (its global expert's, at EP > 1)."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from megapatch.testing.ranks.harness import reinit_model_parallel
+
+    tp = ctx.tp_size
+    reinit_model_parallel(ctx, tp=1)
+    full_config = dataclasses.replace(config, tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
+                                      sequence_parallel=False)
+    full = {k: v.detach().clone() for k, v in build(full_config, seed).state_dict().items()
+            if not k.endswith("_extra_state")}
+    reinit_model_parallel(ctx, tp=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    model = build(config, seed)
+    local = config.num_moe_experts // ep
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            expert = "local_experts." in name
+            rank = (parallel_state.get_expert_tensor_parallel_rank() if expert
+                     else parallel_state.get_tensor_model_parallel_rank())
+            source = full[_global_expert_name(name, first)]
+            param.copy_(_shard(source, param, name, config.gated_linear_unit, rank, tp))
+    return model
+
+
+def _record_routing(model, ctx) -> list:
+    """Every router's top-k choice per token, gathered over the TP group (sequence-parallel
+    shards) with plain torch."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    found: list = []
+
+    def hook(module, args, output):
+        routing_map = output[1].detach().contiguous()
+        if module.config.sequence_parallel and ctx.tp_size > 1:
+            parts = [torch.empty_like(routing_map) for _ in range(ctx.tp_size)]
+            torch.distributed.all_gather(parts, routing_map, group=ctx.tp_group)
+            routing_map = torch.cat(parts, dim=0)
+        found.append(routing_map)
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_hook(hook)
+    return found
+
+
+def moe_forward(ctx, modes: Sequence[str], dispatcher: str = "alltoall", ep: int = 1, batch_seed: int = 5,
+                grads: bool = False, config_overrides: Optional[Dict[str, Any]] = None) -> Optional[dict]:
+    import megapatch
+    from megapatch.core.errors import MegapatchError
+    from megapatch.testing.models.tiny_gpt import gather_full_grads, gather_tp_logits
+
+    model = build_full_then_shard(ctx, ep, qwen3_moe_config(ctx.tp_size, dispatcher, **(config_overrides or {})))
+    routing = _record_routing(model, ctx)
+    batch = make_batch_for_model(batch_seed)
+    results: Dict[str, Any] = {}
+    for mode in modes:
+        megapatch.disable()
+        if MODES[mode]:
+            megapatch.enable(**MODES[mode])
+        routing.clear()
+        model.zero_grad(set_to_none=True)
+        try:
+            logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+        except MegapatchError as exc:
+            results[mode] = {"refused": str(exc)}
+            continue
+        entry = {"logits": gather_tp_logits(logits, ctx).float(), "dtype": str(logits.dtype),
+                 "routing": [r.clone() for r in routing], "active": megapatch.status().active}
+        if grads:
+            loss = _vocab_parallel_loss(logits, batch.labels)
+            loss.backward()
+            entry["loss"] = loss.detach().float()
+            entry["grads"] = gather_full_grads(model, ctx)
+        results[mode] = entry
+    megapatch.disable()
+    return results if ctx.rank == 0 else None
+
+
+def _vocab_parallel_loss(logits, labels):
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
+
+
+def make_batch_for_model(batch_seed: int = 5):
+    from megapatch.testing.models.tiny_gpt import make_batch
+
+    return make_batch(seed=batch_seed, batch=BATCH, seq_len=SEQ, vocab=VOCAB)
+
+
+def fp32_reference(ctx, batch_seed: int = 5, dispatcher: str = "alltoall",
+                   config_overrides: Optional[Dict[str, Any]] = None) -> Optional[dict]:
+    """The same weights (the BF16 model's, held in FP32) run in FP32 at TP=1, EP=1: logits and
+    expert choices, the yardstick for every layout and mode."""
+    overrides = config_overrides or {}
+    bf16_model = build(qwen3_moe_config(1, dispatcher, **overrides))
+    model = build(qwen3_moe_config(1, dispatcher, params_dtype=torch.float32, **overrides))
+    model.load_state_dict(bf16_model.state_dict())
+    routing = _record_routing(model, ctx)
+    batch = make_batch_for_model(batch_seed)
+    with torch.no_grad():
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask).float()
+    return {"logits": logits, "routing": [r.clone() for r in routing]} if ctx.rank == 0 else None

@@ -1,0 +1,191 @@
+"""FP32 sums in megatron-core's mixture-of-experts layers (patches/tp_reduce_moe.py), on real
+megatron-core MoE layers run on CPU ranks (the labelled stand-ins of
+megapatch/testing/stand_ins/moe_cpu.py), against independent oracles: the same model at TP=1
+(the layout without TP partials), the same weights run in FP32, plain torch hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapatch.testing import run_ranks
+from megapatch.testing.scenarios import moe_tiny
+from tests.test_tp_reduce_megatron_core import _needs_fp32_reductions
+
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.double(), -1)
+    q = torch.log_softmax(q_logits.double(), -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def _changed_choices(routing, reference) -> int:
+    """(token, layer) pairs whose top-k expert set differs from the reference's."""
+    assert len(routing) == len(reference) > 0
+    return sum(int((a != b).any(-1).sum()) for a, b in zip(routing, reference))
+
+
+def _relative(a: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((a.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def _layouts(dispatcher, layouts, modes, **kwargs):
+    return {(tp, ep): run_ranks(moe_tiny.moe_forward, world_size=tp * ep, tp=tp, timeout=300,
+                                args=(modes, dispatcher, ep), kwargs=kwargs)[0]
+            for tp, ep in layouts}
+
+
+@pytest.mark.parametrize("dispatcher,layouts,overrides", [
+    ("alltoall", [(1, 1), (2, 1), (4, 1), (2, 2)], {}),
+    # shared experts (DeepSeek / Qwen2-MoE style), their fc2 reduced by the layer itself
+    ("allgather", [(1, 1), (2, 1), (4, 1)], {"moe_shared_expert_intermediate_size": 48}),
+], ids=["alltoall-ep", "allgather-shared-experts"])
+def test_fp32_moe_sums_make_tp_and_ep_sizes_agree_and_keep_every_expert_choice(dispatcher, layouts, overrides):
+    """Native TP drift changes expert choices on this model; under fp32 every layout routes every
+    token as TP=1 does and KL(TP1 || TP) falls at least 20x. The error against the FP32 run of the
+    same weights stays at TP=1's BF16 error: FP32 sums make TP sizes agree, they do not make BF16
+    megatron more accurate than TP=1 is."""
+    _needs_fp32_reductions()
+    modes = ("native", "fp32")
+    runs = _layouts(dispatcher, layouts, modes, config_overrides=overrides)
+    reference = run_ranks(moe_tiny.fp32_reference, world_size=1, tp=1,
+                          kwargs=dict(dispatcher=dispatcher, config_overrides=overrides))[0]
+    base = {mode: runs[(1, 1)][mode] for mode in modes}
+    native_flips = 0
+    for (tp, ep), run in runs.items():
+        native, fp32 = run["native"], run["fp32"]
+        assert native["dtype"] == fp32["dtype"] == "torch.bfloat16"
+        assert any(name == "tp_reduce.moe" for name in fp32["active"]), fp32["active"]
+        assert _changed_choices(fp32["routing"], base["fp32"]["routing"]) == 0, (tp, ep)
+        native_flips += _changed_choices(native["routing"], base["native"]["routing"])
+        kl_native, kl_fp32 = _kl(base["native"]["logits"], native["logits"]), _kl(base["fp32"]["logits"], fp32["logits"])
+        if tp > 1:
+            assert kl_fp32 * 20 <= kl_native, (tp, ep, kl_fp32, kl_native)
+        tp1_error = _relative(base["native"]["logits"], reference["logits"])
+        assert _relative(fp32["logits"], reference["logits"]) == pytest.approx(tp1_error, rel=0.05)
+    assert native_flips > 0  # the input makes native drift visible (else the test could not fail)
+
+
+def _expert_sum_dtypes(ctx, dispatcher, mode):
+    """Under each mode: the dtype every RowParallelLinear inside the MoE layers (routed and shared
+    experts' fc2) hands on, the dtype the dispatcher's reduce-scatter sums in, and the dtype of the
+    MoE layers' outputs, recorded with plain forward hooks and a spy on the collective."""
+    import megapatch
+    from megatron.core.tensor_parallel import RowParallelLinear, mappings
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if mode != "native":
+        megapatch.enable(tp_reduce_dtype=mode)
+    model = moe_tiny.build(moe_tiny.qwen3_moe_config(ctx.tp_size, dispatcher,
+                                                     moe_shared_expert_intermediate_size=48))
+    seen = {"fc2": set(), "moe_out": set(), "summed": set()}
+    for name, module in model.named_modules():
+        if isinstance(module, RowParallelLinear) and ".mlp." in f".{name}.":
+            module.register_forward_hook(lambda m, a, out: seen["fc2"].add(str(out[0].dtype)))
+        if isinstance(module, MoELayer):
+            module.register_forward_hook(lambda m, a, out: seen["moe_out"].add(str(out[0].dtype)))
+    original = mappings._reduce_scatter_along_first_dim
+
+    def spy(input_, *args, **kwargs):
+        seen["summed"].add(str(input_.dtype))
+        return original(input_, *args, **kwargs)
+
+    mappings._reduce_scatter_along_first_dim = spy
+    try:
+        batch = moe_tiny.make_batch_for_model()
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+        logits.float().sum().backward()
+    finally:
+        mappings._reduce_scatter_along_first_dim = original
+        megapatch.disable()
+    return {k: sorted(v) for k, v in seen.items()}
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_fp32_keeps_expert_partials_fp32_into_the_dispatcher_and_rounds_once_at_the_layer(dispatcher):
+    _needs_fp32_reductions()
+    native = run_ranks(_expert_sum_dtypes, world_size=2, tp=2, args=(dispatcher, "native"))[0]
+    fp32 = run_ranks(_expert_sum_dtypes, world_size=2, tp=2, args=(dispatcher, "fp32"))[0]
+    assert native == {"fc2": ["torch.bfloat16"], "moe_out": ["torch.bfloat16"], "summed": ["torch.bfloat16"]}
+    assert fp32["fc2"] == ["torch.float32"] and fp32["moe_out"] == ["torch.bfloat16"]
+    assert "torch.float32" in fp32["summed"]
+
+
+def _construct(ctx, overrides):
+    import megapatch
+    from megapatch.core.errors import UnsupportedConfigurationError
+
+    megapatch.enable(tp_reduce_dtype="fp32")
+    try:
+        moe_tiny.build(moe_tiny.qwen3_moe_config(ctx.tp_size, **overrides))
+    except UnsupportedConfigurationError as exc:
+        return str(exc)
+    finally:
+        megapatch.disable()
+    return None
+
+
+@pytest.mark.parametrize("overrides,named", [
+    ({"dispatcher": "flex"}, "--moe-token-dispatcher-type flex"),
+    ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
+], ids=["flex", "grouped-gemm"])
+def test_moe_paths_fp32_does_not_reach_are_refused_at_construction_naming_the_flag(overrides, named):
+    _needs_fp32_reductions()
+    message = run_ranks(_construct, world_size=1, tp=1, args=(overrides,))[0]
+    assert message is not None and named in message, message
+    assert "tp_reduce_dtype was set by" in message and "fp32-accumulate" in message
+
+
+def test_status_names_the_moe_paths_covered_and_refused():
+    import megapatch
+    from megapatch.core import engine
+
+    _needs_fp32_reductions()
+    megapatch.enable(tp_reduce_dtype="fp32")
+    try:
+        patch = next(p for p in engine.patches() if p.name == "tp_reduce.moe")
+        backend = patch.backend()
+    finally:
+        megapatch.disable()
+    for path in ("allgather", "alltoall", "shared experts", "top-k combine", "refused: flex dispatcher",
+                 "grouped-GEMM"):
+        assert path in backend, backend
+
+
+MOE_FLAGS = ["--tensor-model-parallel-size", "2", "--num-attention-heads", "8", "--transformer-impl", "local",
+             "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion", "--swiglu", "--num-experts", "8",
+             "--moe-router-topk", "2", "--sequence-parallel"]
+
+
+@pytest.mark.parametrize("extra,refused", [
+    (["--moe-token-dispatcher-type", "alltoall"], None),
+    (["--moe-token-dispatcher-type", "alltoall", "--moe-token-dispatcher-type", "flex"],
+     "--moe-token-dispatcher-type flex"),  # argparse takes the last
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm"),
+], ids=["alltoall", "flex", "grouped-gemm"])
+def test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does(extra, refused):
+    from tests.test_doctor import _cli
+
+    result = _cli(["doctor", "--", *MOE_FLAGS, *extra], env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"})
+    if refused is None:
+        assert result.returncode == 0 and "no requested patch refuses them" in result.stdout, result.stdout
+        return
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert refused in result.stdout and "tp_reduce.moe" in result.stdout, result.stdout
+    # without the mode nothing refuses
+    assert _cli(["doctor", "--", *MOE_FLAGS, *extra]).returncode == 0
+
+
+def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute(monkeypatch):
+    import inspect
+
+    from megapatch.patches import tp_reduce_moe
+
+    _needs_fp32_reductions()
+    assert tp_reduce_moe._probe() is None
+    original = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource",
+                        lambda obj: original(obj).replace("self.local_probs.dtype", "self.probs_dtype"))
+    reason = tp_reduce_moe._probe()
+    assert reason is not None and "MoEAllGatherTokenDispatcher.token_combine" in reason, reason
