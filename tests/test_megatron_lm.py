@@ -626,3 +626,53 @@ def test_the_launcher_warns_when_the_padded_vocabulary_depends_on_the_tp_size():
     assert padding_warning(["--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", "512"]) is None
     example = Path(REPO, "examples", "megatron_lm", "cpu_flags.sh").read_text()
     assert "--vocab-size 1023" in example and padding_warning(example.split()) is None
+
+
+# Megatron-LM's own MoE RL example (examples/rl/model_configs/qwen3_30b_a3b_moe.sh) scaled down:
+# 8 experts top-2 (128 top-8 there), QK layernorm, SwiGLU experts, GQA, RoPE, untied head, no
+# biases, aux-loss balancing; expert TP = TP; local spec (sequential experts) on CPU.
+MOE_FLAGS = LLAMA_FLAGS + ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                           "--qk-layernorm", "--moe-router-load-balancing-type", "aux_loss",
+                           "--moe-aux-loss-coeff", "1e-3", "--no-bias-swiglu-fusion",
+                           "--make-vocab-size-divisible-by", "32")
+MOE_MODES = {"native": {}, "fp32": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"},
+             "fp32-accumulate": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32-accumulate"},
+             "fp32+logits": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32"}}
+
+
+def _moe_run(checkout, tp, mode, dispatcher="alltoall", ep=1):
+    # vocab 255 (+1 EOD) pads to 256 rows at TP 1, 2 and 4 (divisible by 32 x TP): one initial model
+    flags = mlm.tiny_gpt_flags(tp=tp, heads=8, sequence_parallel=tp > 1, iters=ITERS, vocab=255, extra=(
+        *MOE_FLAGS, "--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep),
+        "--expert-tensor-parallel-size", str(tp)))
+    return _run(checkout, f"moe-tp{tp}-ep{ep}-{dispatcher}-{mode}", flags, nproc=tp * ep,
+                megapatch_env=MOE_MODES[mode])
+
+
+@pytest.mark.slow
+def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkout):
+    """pretrain_gpt.py with MoE flags at TP 1/2/4 and EP 2, both dispatchers, in every mode: each
+    trains, the job log names the MoE coverage, FP32 logits reach the loss under logits_dtype=fp32;
+    fp32's first-step per-token losses at TP 2 and 4 sit far closer to TP 1's than native's do."""
+    runs = {
+        "tp1-native": _moe_run(checkout, 1, "native"), "tp1-fp32": _moe_run(checkout, 1, "fp32"),
+        "tp2-native": _moe_run(checkout, 2, "native"), "tp2-fp32": _moe_run(checkout, 2, "fp32"),
+        "tp4-native": _moe_run(checkout, 4, "native", "allgather"),
+        "tp4-fp32": _moe_run(checkout, 4, "fp32", "allgather"),
+        "tp2-ep2-accumulate": _moe_run(checkout, 2, "fp32-accumulate", ep=2),
+        "tp2-logits": _moe_run(checkout, 2, "fp32+logits", "allgather"),
+    }
+    for label, (run, _) in runs.items():
+        _trained(run, ITERS)
+        if "fp32" in label or "logits" in label:
+            assert "tp_reduce.moe [routed experts' fc2 partials" in run.log, (label, run.tail())
+    assert "tp_reduce.moe" not in runs["tp2-ep2-accumulate"][0].log.split("patches active:")[1].split("|")[0]
+    for probes, dtype in ((runs["tp2-logits"][1], "torch.float32"), (runs["tp2-fp32"][1], "torch.bfloat16")):
+        assert {r["dtype"] for records in probes.values() for r in records} == {dtype}
+    for tp in (2, 4):
+        drift = {mode: mlm.mean_abs_difference(_first_step_token_losses(runs[f"tp{tp}-{mode}"][1]),
+                                               _first_step_token_losses(runs[f"tp1-{mode}"][1]))
+                 for mode in ("native", "fp32")}
+        print(f"MoE first-step per-token loss drift from TP=1, TP={tp}: {drift}")  # results/moe.md
+        assert drift["native"] > 0, f"native TP={tp} gave TP=1's losses: the comparison cannot tell"
+        assert drift["fp32"] < 0.05 * drift["native"], (tp, drift)
