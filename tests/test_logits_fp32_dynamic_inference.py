@@ -40,17 +40,29 @@ def _spy(controller, name, found):
     setattr(controller, name, spy)
 
 
-def _rollouts(ctx, graph_buffer=False):
+def _model(ctx, kind):
+    from megapatch.testing import build_tiny_gpt, tiny_gpt_config
+
+    if kind == "moe":  # the tiny Qwen3-MoE (QK norm, 8 experts top-2, alltoall); without sequence
+        # parallelism, so that the output layer's input hook sees every token (the oracle's input)
+        from megapatch.testing.scenarios import moe_tiny
+
+        return moe_tiny.build(moe_tiny.qwen3_moe_config(ctx.tp_size, sequence_parallel=False), seed=5).eval()
+    return build_tiny_gpt(tiny_gpt_config(tp=ctx.tp_size, pp=ctx.pp_size), vocab_size=V,
+                          seq_len=MAX_SEQ, seed=5).eval()
+
+
+def _rollouts(ctx, graph_buffer=False, kind="gpt"):
     import megapatch
-    from megapatch.testing import build_tiny_gpt, gather_full_weights, tiny_gpt_config
+    from megapatch.testing import gather_full_weights
     from megapatch.testing.stand_ins.dynamic_inference_compat import dynamic_engine, dynamic_inference_workarounds, generate
 
     found = {}
     with dynamic_inference_workarounds():
         for mode in ("native", "fp32"):
-            megapatch.enable(logits_dtype=mode)
-            model = build_tiny_gpt(tiny_gpt_config(tp=ctx.tp_size, pp=ctx.pp_size), vocab_size=V,
-                                   seq_len=MAX_SEQ, seed=5).eval()
+            # an MoE rollout as RL runs it: FP32 reductions (expert sums included) and FP32 logits
+            megapatch.enable(logits_dtype=mode, **({"tp_reduce_dtype": mode} if kind == "moe" else {}))
+            model = _model(ctx, kind)
             hidden = []
             if ctx.is_last_stage:
                 model.output_layer.register_forward_pre_hook(
@@ -107,14 +119,18 @@ def _check(ranks, last, graph_buffer=False):
                for (tokens, _, prompt_lp), prompt in zip(fp32["outputs"], PROMPTS))
 
 
-@pytest.mark.parametrize("tp,pp,graph_buffer", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 1, True)],
-                         ids=["tp1", "tp2", "pp2", "tp1-cuda-graph-buffer"])
-def test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs(tp, pp, graph_buffer):
+@pytest.mark.parametrize("tp,pp,graph_buffer,kind", [(1, 1, False, "gpt"), (2, 1, False, "gpt"), (1, 2, False, "gpt"),
+                                                   (1, 1, True, "gpt"), (2, 1, False, "moe")],
+                         ids=["tp1", "tp2", "pp2", "tp1-cuda-graph-buffer", "moe-tp2"])
+def test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs(tp, pp, graph_buffer, kind):
     """``tp1-cuda-graph-buffer``: the controller set up as with ``cuda_graph_impl="local"``; from
     0.17 it then allocates ``_all_logits_cuda`` in params_dtype and copies each step's logits into
-    it (on 0.16 it allocates nothing and the case is the plain TP1 one)."""
-    ranks = run_ranks(_rollouts, world_size=tp * pp, tp=tp, pp=pp, args=(graph_buffer,), timeout=300)
+    it (on 0.16 it allocates nothing and the case is the plain TP1 one). ``moe-tp2``: the tiny
+    Qwen3-MoE (megapatch.testing.scenarios.moe_tiny) with FP32 reductions too."""
+    ranks = run_ranks(_rollouts, world_size=tp * pp, tp=tp, pp=pp, args=(graph_buffer, kind), timeout=300)
     _check(ranks, last=len(ranks) - 1, graph_buffer=graph_buffer)
+    if kind == "moe":
+        assert "tp_reduce.moe" in ranks[0]["fp32"]["status"]
 
 
 @pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

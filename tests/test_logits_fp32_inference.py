@@ -18,9 +18,10 @@ PP_METHODS = ("forward_pass_with_pipeline_parallel_small_input_batch",  # <= 0.1
               "forward_pass_with_pipeline_parallel")                    # >= 0.17
 
 
-def _inference(ctx):
+def _inference(ctx, kind="gpt"):
     """World 1: the no-PP path and the PP methods (one stage), each with its oracle; the
-    controller broadcast (sender side only at world 1)."""
+    controller broadcast (sender side only at world 1). ``kind="moe"``: the tiny Qwen3-MoE, with
+    FP32 reductions (expert sums) on too."""
     import megapatch
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
@@ -28,8 +29,13 @@ def _inference(ctx):
     tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
     found = {}
     for mode in ("native", "fp32"):
-        megapatch.enable(logits_dtype=mode)
-        model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=V, seq_len=S, seed=5).eval()
+        megapatch.enable(logits_dtype=mode, **({"tp_reduce_dtype": mode} if kind == "moe" else {}))
+        if kind == "moe":
+            from megapatch.testing.scenarios import moe_tiny
+
+            model = moe_tiny.build(moe_tiny.qwen3_moe_config(1), seed=5).eval()
+        else:
+            model = build_tiny_gpt(tiny_gpt_config(tp=1), vocab_size=V, seq_len=S, seed=5).eval()
         calls, oracle = _head_oracle(model)
         row = found[mode] = {}
         methods = [m for m in ("forward_pass_without_pipeline_parallel",) + PP_METHODS
@@ -48,7 +54,14 @@ def _inference(ctx):
 
 @pytest.mark.quick("logits.fp32_inference")
 def test_fp32_logits_survive_every_inference_path():
-    found = run_ranks(_inference, world_size=1, timeout=300)[0]
+    _check_every_path(run_ranks(_inference, world_size=1, timeout=300)[0])
+
+
+def test_fp32_logits_survive_every_inference_path_of_an_moe_model():
+    _check_every_path(run_ranks(_inference, world_size=1, timeout=300, args=("moe",))[0])
+
+
+def _check_every_path(found):
     fp32, native = found["fp32"], found["native"]
     for path, (dtype, logits, oracle) in fp32.items():
         assert dtype == "torch.float32", (path, dtype)

@@ -294,7 +294,7 @@ def _gather_param(name: str, tensor: torch.Tensor, param: torch.nn.Parameter, mo
     if not getattr(param, "tensor_model_parallel", False):
         return tensor.detach().clone()
     gated = getattr(getattr(model, "config", None), "gated_linear_unit", False)
-    if gated and ".mlp.linear_fc1." in f".{name}" and param.partition_dim == 0:  # (partition_stride 2)
+    if gated and ".linear_fc1." in f".{name}" and param.partition_dim == 0:  # (partition_stride 2; experts too)
         gate, up = tensor.detach().chunk(2, dim=0)
         return torch.cat([_all_gather_cat(gate, 0, group), _all_gather_cat(up, 0, group)], dim=0)
     if getattr(param, "partition_stride", 1) != 1:

@@ -47,7 +47,8 @@ def qwen3_moe_config(tp: int, dispatcher: str = "alltoall", experts: int = 8, to
         expert_tensor_parallel_size=tp, params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16)
     fields.update(overrides)
-    return tiny_gpt_config(tp, sequence_parallel=tp > 1, **fields)
+    fields.setdefault("sequence_parallel", tp > 1)
+    return tiny_gpt_config(tp, **fields)
 
 
 def build(config, seed: int = 1234):

@@ -199,6 +199,47 @@ def _sequence_parallel_torch_norm(original):
     return staticmethod(__new__)
 
 
+class _CompletedEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuSideStream:
+    """A side stream on which everything has already happened (CPU ops finish on return)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return _CompletedEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def cpu_side_stream(_original):
+    # Replaces torch.cuda.Stream: the MoE alltoall dispatcher's device-to-host copy stream (it
+    # synchronises on an event recorded there), the dynamic engine's copy stream (>= 0.17).
+    return CpuSideStream
+
+
+def cpu_stream_context(_original):
+    # Replaces the torch.cuda.stream(s) context manager around work on those streams.
+    return lambda stream=None: contextlib.nullcontext()
+
+
 WORKAROUNDS: Tuple[Workaround, ...] = (
     Workaround(
         "torch.cuda",
@@ -255,14 +296,15 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
     Workaround(
         "torch.cuda",
         "Stream",
-        "(stand-in) torch.cuda.Stream of the alltoall MoE dispatcher's device-to-host copies",
-        moe_cpu.cpu_side_stream,
+        "(stand-in) torch.cuda.Stream of the alltoall MoE dispatcher's device-to-host copies: a stream "
+        "whose events are complete (CPU ops finish on return)",
+        cpu_side_stream,
     ),
     Workaround(
         "torch.cuda",
         "stream",
         "torch.cuda.stream(...) around the alltoall MoE dispatcher's device-to-host copies",
-        moe_cpu.cpu_stream_context,
+        cpu_stream_context,
     ),
     Workaround(
         moe_cpu.TOKEN_DISPATCHER,

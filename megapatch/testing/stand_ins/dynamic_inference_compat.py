@@ -36,6 +36,7 @@ from typing import Iterator, Tuple
 
 import torch
 
+from megapatch.testing.stand_ins import cpu_compat
 from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
 
 __all__ = ["dynamic_inference_workarounds", "WORKAROUNDS", "paged_causal_attention", "dynamic_engine",
@@ -152,17 +153,6 @@ def _empty_memory_stats(_original):
     return lambda *args, **kwargs: collections.defaultdict(int)
 
 
-def _cpu_stream_class(_original):
-    # Replaces torch.cuda.Stream (>= 0.17: the controller's copy stream for asynchronous
-    # scheduling). On CPU every op has finished when its call returns; torch's CPU stream stands in.
-    return lambda *args, **kwargs: torch.cpu.Stream()
-
-
-def _cpu_stream_context(_original):
-    # Replaces the torch.cuda.stream(s) context manager around those copies.
-    return lambda stream=None: contextlib.nullcontext()
-
-
 def _merge_heads(original):
     # Where einops is not installed, attention.py binds ``rearrange`` to None (>= 0.17) and the
     # dynamic path calls rearrange(out, 's b h d -> s b (h d)'); this is that one pattern.
@@ -224,8 +214,8 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
     Workaround("torch.cuda", "LongTensor", "the inference example's CUDA timestamp tensor",
                _cpu_long_tensor),
     Workaround("torch.cuda", "Stream", "CUDA side streams (>= 0.17 asynchronous scheduling)",
-               _cpu_stream_class),
-    Workaround("torch.cuda", "stream", "entering a CUDA side stream", _cpu_stream_context),
+               cpu_compat.cpu_side_stream),
+    Workaround("torch.cuda", "stream", "entering a CUDA side stream", cpu_compat.cpu_stream_context),
     Workaround("torch.cuda", "Event", "CUDA events timing the engine's steps", _cpu_event),
     Workaround("torch.cuda", "memory_stats", "CUDA memory statistics (engine logging)",
                _empty_memory_stats),

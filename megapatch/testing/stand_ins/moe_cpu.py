@@ -8,8 +8,8 @@ contract of what it replaces and changes no arithmetic:
   ``RouterGatingLinearFunction`` tests it against None: without TE every MoE forward raises
   ``NameError``. The stand-in is the None that check expects (the router's torch.mm path).
 * The alltoall dispatcher creates a ``torch.cuda.Stream`` for its device-to-host copies of the
-  split sizes and synchronises on an event recorded there. On CPU nothing is pending when a
-  Python call returns, so a stream whose events are already complete stands in.
+  split sizes and synchronises on an event recorded there: ``cpu_compat.CpuSideStream`` (shared
+  with the dynamic inference engine's stand-ins).
 * ``maybe_move_tensor_to_cpu(as_numpy=True)`` hands the all-to-all its split sizes as numpy
   arrays, but only for CUDA tensors; on CPU the split sizes stay tensors, which gloo's
   ``all_to_all_single`` rejects. The stand-in converts CPU tensors as upstream converts CUDA ones.
@@ -27,49 +27,6 @@ MAPPINGS = "megatron.core.tensor_parallel.mappings"
 
 def no_te_general_gemm(original):
     return original  # None when the module lacked the name (TE missing); TE's own function otherwise
-
-
-class _CompletedEvent:
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class CpuSideStream:
-    """A side stream on which everything has already happened (CPU ops finish on return)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return _CompletedEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-
-def cpu_side_stream(_original):
-    return CpuSideStream
-
-
-def cpu_stream_context(_original):
-    import contextlib
-
-    def stream(_stream):
-        return contextlib.nullcontext()
-
-    return stream
 
 
 def split_sizes_to_numpy(original):
