@@ -59,3 +59,29 @@ def test_demo_llama_quick(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "tp_invariance_llama.png").exists(), result.stdout
+
+
+def test_demo_moe_quick_reports_expert_choices(tmp_path):
+    """The tiny Qwen3-MoE at TP 1 and 2: native changes some expert choices and the logits; fp32
+    changes no expert choice and cuts KL(TP1||TP2) at least 20x; the table carries both routing
+    columns."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    table = tmp_path / "moe.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "megapatch", "demo", "--model", "moe", "--quick", "--json", str(table)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tiny Qwen3-MoE" in result.stdout and "experts changed vs TP1" in result.stdout
+    rows = {(r["mode"], r["tp"]): r for r in json.loads(table.read_text())}
+    assert set(rows) == {(m, tp) for m in ("native", "fp32-accumulate", "fp32") for tp in (1, 2)}
+    native, fp32 = rows[("native", 2)], rows[("fp32", 2)]
+    assert native["experts_changed_vs_tp1"] > 0 and native["kl_vs_tp1"] > 0, native
+    assert fp32["experts_changed_vs_tp1"] == 0 and fp32["kl_vs_tp1"] * 20 <= native["kl_vs_tp1"], fp32
+    assert not (tmp_path / "tp_invariance.png").exists()
+
+
+@pytest.mark.parametrize("argv,named", [(["--tp", "8"], "--tp 8"), (["--modes", "tp-invariant"], "tp_invariant")])
+def test_demo_moe_refuses_what_the_model_or_the_mode_cannot_do(capsys, argv, named):
+    assert main(["demo", "--model", "moe", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and ("valid" in err or "only" in err), err

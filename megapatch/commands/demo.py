@@ -59,12 +59,17 @@ OUTLIER_DIMS = (5, 21, 38, 50)
 # --model: what the table, the progress line and the plot call each model, and the llama_config
 # fields of the Llama one (a TP size must divide 16 heads, 8 KV groups, hidden 128, FFN 192, VOCAB:
 # the same TP_SIZES)
-MODELS = ("gpt", "llama")
+MODELS = ("gpt", "llama", "moe")
 DEFAULT_MODEL = "gpt"
-TITLES = {"gpt": "tiny GPT", "llama": "tiny Llama"}
-DESCRIPTIONS = {"gpt": "tiny GPT", "llama": "tiny Llama (SwiGLU, RMSNorm, RoPE, 16 heads / 8 KV groups)"}
+TITLES = {"gpt": "tiny GPT", "llama": "tiny Llama", "moe": "tiny Qwen3-MoE"}
+DESCRIPTIONS = {"gpt": "tiny GPT", "llama": "tiny Llama (SwiGLU, RMSNorm, RoPE, 16 heads / 8 KV groups)",
+                "moe": "tiny Qwen3-MoE (QK RMSNorm, 8 experts top-2, alltoall dispatcher, SP at TP > 1)"}
 LLAMA = dict(hidden_size=128, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=192)
-DEFAULT_PLOTS = {"gpt": "tp_invariance.png", "llama": "tp_invariance_llama.png"}
+DEFAULT_PLOTS = {"gpt": "tp_invariance.png", "llama": "tp_invariance_llama.png", "moe": "tp_invariance_moe.png"}
+# the MoE model (megapatch.testing.scenarios.moe_tiny, 8 heads in 2 KV groups): TP up to 4; no
+# planted outliers (its MLPs are experts); tp_invariant refuses MoE layers (issue 26)
+MOE_TP_SIZES = (1, 2, 4)
+MOE_MODES = ("native", "fp32-accumulate", "fp32")
 # the Llama model's planted neurons: their gate and up weights on the period's dimension (silu(5.6)
 # * 5.6 = 32 on the period, whose dimension 0 is 11.3 after RMSNorm; fc2 then writes +2035 and
 # -2019 into each OUTLIER_DIM: a remainder of 16, which a BF16 partial sum rounds away)
@@ -110,6 +115,11 @@ def _build(model_name: str, tp: int, **overrides):
     """The demo's model ``model_name`` at TP ``tp`` (``overrides``: config fields)."""
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
+    if model_name == "moe":
+        from megapatch.testing.scenarios import moe_tiny
+
+        return build_tiny_gpt(moe_tiny.qwen3_moe_config(tp, **overrides), vocab_size=VOCAB, seq_len=SEQ,
+                              seed=SEED, position_embedding_type="rope")
     if model_name == "llama":
         from megapatch.testing.models.tiny_gpt import llama_config
 
@@ -120,16 +130,25 @@ def _build(model_name: str, tp: int, **overrides):
 
 
 def _logits(ctx, variant: str, tp: int, model_name: str = DEFAULT_MODEL):
+    """Full logits; for the MoE model ``(logits, every layer's expert choices)``."""
     import torch
     from megapatch.testing import gather_tp_logits
 
     model = _build(model_name, tp)
     if variant == "outliers":
         _plant_outliers(model)
+    routing = _routing(model, ctx) if model_name == "moe" else None
     batch = _batch()
     with torch.no_grad():
         logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
-    return gather_tp_logits(logits, ctx).float()
+    logits = gather_tp_logits(logits, ctx).float()
+    return logits if routing is None else (logits, routing)
+
+
+def _routing(model, ctx):
+    from megapatch.testing.scenarios.moe_tiny import _record_routing
+
+    return _record_routing(model, ctx)
 
 
 def _batch():
@@ -150,9 +169,11 @@ def _fp32_reference(ctx, variant: str, model_name: str = DEFAULT_MODEL):
         _plant_outliers(bf16)
     model = _build(model_name, 1, params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False)
     model.load_state_dict(bf16.state_dict())
+    routing = _routing(model, ctx) if model_name == "moe" else None
     batch = _batch()
     with torch.no_grad():
-        return model(batch.tokens, batch.position_ids, batch.attention_mask).float()
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask).float()
+    return logits if routing is None else (logits, routing)
 
 
 def _mode_options(mode: str) -> dict:
@@ -187,12 +208,12 @@ def metrics(logits: Dict, labels, tps: List[int], modes: List[str],
 
     rows = []
     for variant in variants:
-        reference = logits[(variant, "fp32-reference", 1)]
+        reference, reference_routing = _split(logits[(variant, "fp32-reference", 1)])
         for mode in modes:
-            base = logits[(variant, mode, 1)]
+            base, base_routing = _split(logits[(variant, mode, 1)])
             logp_base = torch.log_softmax(base, -1)
             for tp in tps:
-                here = logits[(variant, mode, tp)]
+                here, routing = _split(logits[(variant, mode, tp)])
                 logp = torch.log_softmax(here, -1)
                 kl = (logp_base.exp() * (logp_base - logp)).sum(-1).mean().item()
                 target = lambda lp: lp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -204,17 +225,32 @@ def metrics(logits: Dict, labels, tps: List[int], modes: List[str],
                     "bit_identical": (here == base).float().mean().item(),
                     "err_vs_fp32": (here - reference).abs().mean().item(),
                 })
+                if routing is not None:  # MoE: share of (token, layer) top-k sets changed
+                    rows[-1]["experts_changed_vs_tp1"] = _changed(routing, base_routing)
+                    rows[-1]["experts_differing_from_fp32"] = _changed(routing, reference_routing)
     return rows
 
 
+def _split(entry):
+    return entry if isinstance(entry, tuple) else (entry, None)
+
+
+def _changed(routing, reference) -> float:
+    changed = sum(int((a != b).any(-1).sum()) for a, b in zip(routing, reference))
+    return changed / sum(r.shape[0] for r in reference)
+
+
 def format_table(rows: List[dict]) -> str:
+    moe = any("experts_changed_vs_tp1" in r for r in rows)
     header = ("variant", "mode", "TP", "KL(TP1||TPN)", "mean|dlogp|", "max|dlogit|", "bit-identical",
-              "mean|err| vs FP32")
+              "mean|err| vs FP32") + (("experts changed vs TP1", "experts differing from FP32") if moe else ())
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['mode']} | {r['tp']} | {r['kl_vs_tp1']:.3e} | "
                      f"{r['mean_abs_dlogp_target']:.3e} | {r['max_abs_dlogit']:.3e} | "
-                     f"{100 * r['bit_identical']:.1f}% | {r['err_vs_fp32']:.3e} |")
+                     f"{100 * r['bit_identical']:.1f}% | {r['err_vs_fp32']:.3e} |"
+                     + (f" {100 * r['experts_changed_vs_tp1']:.2f}% | {100 * r['experts_differing_from_fp32']:.2f}% |"
+                        if moe else ""))
     return "\n".join(lines)
 
 
@@ -282,7 +318,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODELS, default=DEFAULT_MODEL,
                         help="gpt: GELU, LayerNorm, learned positions, biases (default; the "
                              "documented figures); llama: SwiGLU, RMSNorm, RoPE, grouped-query "
-                             "attention, untied output layer, no biases")
+                             "attention, untied output layer, no biases; moe: Qwen3-MoE-shaped, "
+                             "8 experts top-2, QK RMSNorm, TP up to 4, expert choices reported "
+                             "(modes native, fp32-accumulate, fp32)")
     parser.add_argument("--tp", type=_tp_sizes, default=None, metavar="SIZES",
                         help=f"comma-separated TP sizes from {{{', '.join(map(str, TP_SIZES))}}} "
                              f"(default {DEFAULT_TP}; 1, the reference, is always run)")
@@ -319,11 +357,19 @@ def _quietly(fn, verbose: bool):
 def run_demo(args) -> int:
     from megapatch.testing import RankFailure, run_ranks
 
+    model_name = getattr(args, "model", DEFAULT_MODEL)
     tps = args.tp or _tp_sizes(QUICK_TP if args.quick else DEFAULT_TP)
     modes = list(args.modes)
     variants = ["random", "outliers"]
+    if model_name == "moe":
+        refused = _moe_refusal(args, tps, modes)
+        if refused:
+            print(f"megapatch demo: {refused}", file=sys.stderr)
+            return 2
+        tps = [tp for tp in tps if tp in MOE_TP_SIZES] if args.tp is None else tps
+        modes = [m for m in modes if m in MOE_MODES]
+        variants = ["random"]
     world = max(tps)
-    model_name = getattr(args, "model", DEFAULT_MODEL)
     plot_path = DEFAULT_PLOTS[model_name] if args.plot is None else args.plot
     started = time.time()
     print(f"megapatch demo: {DESCRIPTIONS[model_name]}, TP sizes {tps}, modes {modes}, on {world} "
@@ -360,6 +406,18 @@ def run_demo(args) -> int:
     print(f"\n({time.time() - started:.0f} s" + (f"; {hidden} upstream warnings hidden, --verbose to show)"
                                                if hidden else ")"))
     return 0
+
+
+def _moe_refusal(args, tps: List[int], modes: List[str]):
+    """Why ``--model moe`` cannot run what was asked (None: it can)."""
+    wrong = [tp for tp in tps if tp not in MOE_TP_SIZES]
+    if args.tp is not None and wrong:
+        return (f"--tp {','.join(map(str, wrong))}: the moe model (8 heads in 2 KV groups) splits at TP "
+                f"{', '.join(map(str, MOE_TP_SIZES))} only")
+    if "tp-invariant" in modes and args.modes != list(MODES):
+        return ("--modes tp-invariant: tp_invariant refuses MoE layers (--num-experts) at model "
+                f"construction; valid modes for --model moe: {', '.join(MOE_MODES)}")
+    return None
 
 
 def _rank_logs(stderr_dir):

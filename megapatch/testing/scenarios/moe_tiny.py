@@ -84,7 +84,7 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234):
 
     from megapatch.testing.ranks.harness import reinit_model_parallel
 
-    tp = ctx.tp_size
+    tp = config.tensor_model_parallel_size
     reinit_model_parallel(ctx, tp=1)
     full_config = dataclasses.replace(config, tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
                                       sequence_parallel=False)
