@@ -85,22 +85,31 @@ def _preflight(config):
 
 
 def _mark(layer) -> None:
-    """Every RowParallelLinear of the layer's experts and shared experts hands on FP32 (read by
-    ``tp_reduce.megatron_core``'s RowParallelLinear wrapper). The mark is structure, not a
-    setting: an activation-checkpoint recompute of the experts sees it too."""
+    """Every fc2 of the layer's experts and shared experts hands on FP32 (read by
+    ``tp_reduce.megatron_core``'s RowParallelLinear wrapper); refused when one is not a megatron-core
+    RowParallelLinear. The mark is structure, not a setting: an activation-checkpoint recompute of
+    the experts sees it too."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
     found = _refusals(layer.config)
+    fc2s = [(f"{part}.{name}", module) for part in ("experts", "shared_experts")
+            if getattr(layer, part, None) is not None
+            for name, module in getattr(layer, part).named_modules(prefix="") if name.endswith("linear_fc2")]
     experts = getattr(layer, "experts", None)
-    if experts is not None and not any(isinstance(m, RowParallelLinear) for m in experts.modules()):
+    if experts is not None and not any(name.startswith("experts.") for name, _ in fc2s):
         found.append(f"experts of type {type(experts).__qualname__} (Megatron-LM: --moe-grouped-gemm; "
-                     f"leave it off): their fc2 is not a RowParallelLinear")
+                     f"leave it off): they have no fc2 layer megapatch can keep in FP32")
+    for name, module in fc2s:
+        if not isinstance(module, RowParallelLinear):
+            te = "transformer_engine" in type(module).__module__
+            found.append(f"{name} of type {type(module).__qualname__}"
+                         + (" (Transformer Engine; Megatron-LM: --transformer-impl local)" if te else "")
+                         + ": not a megatron-core RowParallelLinear, its partials would be rounded "
+                           "before the dispatcher sums them")
     if found:
         _refuse(found)
-    for part in (experts, getattr(layer, "shared_experts", None)):
-        for module in part.modules() if part is not None else ():
-            if isinstance(module, RowParallelLinear):
-                setattr(module, MOE_FP32_SUM, True)
+    for _, module in fc2s:
+        setattr(module, MOE_FP32_SUM, True)
 
 
 def _moe_init(wrapped, instance, args, kwargs):

@@ -189,3 +189,33 @@ def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attr
                         lambda obj: original(obj).replace("self.local_probs.dtype", "self.probs_dtype"))
     reason = tp_reduce_moe._probe()
     assert reason is not None and "MoEAllGatherTokenDispatcher.token_combine" in reason, reason
+
+
+def test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it():
+    """Transformer Engine expert layers (TERowParallelLinear, TE's grouped linear) and legacy
+    grouped-GEMM experts (no fc2 module): a stand-in layer of each shape, as MoELayer holds them."""
+    import types
+
+    import megapatch
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_reduce_moe
+
+    _needs_fp32_reductions()
+    config = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    FakeTELinear = type("TERowParallelLinear", (torch.nn.Linear,), {"__module__": "megatron.core.extensions.transformer_engine"})
+    te_expert = torch.nn.Module()
+    te_expert.linear_fc2 = FakeTELinear(2, 2)
+    sequential = torch.nn.Module()
+    sequential.local_experts = torch.nn.ModuleList([te_expert])
+    grouped = type("GroupedMLP", (torch.nn.Module,), {})()
+    megapatch.enable(tp_reduce_dtype="fp32")
+    try:
+        for experts, named in ((sequential, "experts.local_experts.0.linear_fc2 of type TERowParallelLinear "
+                                            "(Transformer Engine; Megatron-LM: --transformer-impl local)"),
+                               (grouped, "experts of type GroupedMLP (Megatron-LM: --moe-grouped-gemm")):
+            layer = types.SimpleNamespace(config=config, experts=experts, shared_experts=None)
+            with pytest.raises(UnsupportedConfigurationError, match="does not cover this MoE layer") as refused:
+                tp_reduce_moe._mark(layer)
+            assert named in str(refused.value), str(refused.value)
+    finally:
+        megapatch.disable()
