@@ -637,7 +637,8 @@ MOE_FLAGS = LLAMA_FLAGS + ("--num-experts", "8", "--moe-router-topk", "2", "--mo
                            "--make-vocab-size-divisible-by", "32")
 MOE_MODES = {"native": {}, "fp32": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"},
              "fp32-accumulate": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32-accumulate"},
-             "fp32+logits": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32"}}
+             "fp32+logits": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32"},
+             "tp_invariant": {"MEGAPATCH_TP_INVARIANT": "1"}}
 
 
 def _moe_run(checkout, tp, mode, dispatcher="alltoall", ep=1):
@@ -653,7 +654,12 @@ def _moe_run(checkout, tp, mode, dispatcher="alltoall", ep=1):
 def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkout):
     """pretrain_gpt.py with MoE flags at TP 1/2/4 and EP 2, both dispatchers, in every mode: each
     trains, the job log names the MoE coverage, FP32 logits reach the loss under logits_dtype=fp32;
-    fp32's first-step per-token losses at TP 2 and 4 sit far closer to TP 1's than native's do."""
+    fp32's first-step per-token losses at TP 2 and 4 sit far closer to TP 1's than native's do.
+    tp_invariant (issue 26) refuses the model before the first step, naming the flag."""
+    refused, _ = _moe_run(checkout, 2, "tp_invariant")
+    assert refused.returncode != 0 and not refused.losses, refused.tail()
+    assert "megapatch tp_invariant=True does not support" in refused.log, refused.tail()
+    assert "--qk-layernorm" in refused.log or "--num-experts" in refused.log, refused.tail()
     runs = {
         "tp1-native": _moe_run(checkout, 1, "native"), "tp1-fp32": _moe_run(checkout, 1, "fp32"),
         "tp2-native": _moe_run(checkout, 2, "native"), "tp2-fp32": _moe_run(checkout, 2, "fp32"),
