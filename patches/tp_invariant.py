@@ -316,16 +316,17 @@ def _field_refusal(config, field):
     return f"{field}={value} (Megatron-LM: {flag(config) if callable(flag) else flag})", why
 
 
-def _config_refusals(config, vocabulary=None):
+def _config_refusals(config, vocabulary=None, seq_length=None):
     """``[(what, why), ...]``: every config field the mode cannot cover, then the TP size against
-    the width, every TP-split dimension the width does not divide and the padded ``vocabulary``
+    the width, every TP-split dimension the width does not divide (the sequence with sequence
+    parallelism: ``seq_length`` where the config has none) and the padded ``vocabulary``
     (``block_shapes``; None: not known)."""
     found = [r for r in (_field_refusal(config, field) for field in _REFUSED_CONFIG) if r]
     tp = block_shapes.tp_size(config)
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     if groups < tp:
         found.append(_few_kv_groups(groups, tp))
-    found += block_shapes.shape_refusals(config)
+    found += block_shapes.shape_refusals(config, seq_length)
     vocabulary_refusal = block_shapes.vocabulary_refusal(vocabulary, tp) if vocabulary is not None else None
     return found + ([vocabulary_refusal] if vocabulary_refusal else [])
 
@@ -341,8 +342,10 @@ def _described(refusals) -> str:
 
 
 def _check_config(config) -> None:
-    # in a Megatron-LM job every stage's block refuses its padded vocabulary, naming the flags
-    refusals = _config_refusals(config, block_shapes.megatron_lm_vocabulary())
+    # in a Megatron-LM job every stage's block refuses its padded vocabulary, naming the flags,
+    # and (sequence parallelism) a --seq-length W does not divide, as the doctor does from the flags
+    refusals = _config_refusals(config, block_shapes.megatron_lm_vocabulary(),
+                                block_shapes.megatron_lm_sequence_length(config))
     if refusals:
         _refuse(*refusals[0])
 

@@ -11,6 +11,8 @@ worked out by hand below (an independent oracle); one row also runs Megatron-LM'
 """
 
 import os
+import sys
+import types
 
 import pytest
 
@@ -163,3 +165,125 @@ def test_pretrain_gpt_refuses_the_padded_vocabulary_at_construction_in_the_docto
              and "full message" not in line]  # rank 0's whole message; rank 1 names it in short
     assert len(lines) == 1, run.tail()
     assert _said(lines[0]) in listed and said in lines[0], (lines[0], listed)
+
+
+# -- what the doctor lists from the flags, the run says before upstream does, in the same words ------
+
+SP_SEQUENCE_36 = mlm.tiny_gpt_flags(tp=2, seq=36, vocab=255, sequence_parallel=True)  # 36 = 4.5 x 8
+TE_WITHOUT_TE = mlm.tiny_gpt_flags(tp=2, vocab=255, extra=("--transformer-impl", "transformer_engine"))
+UPSTREAM_NAME_ERROR = "NameError: name 'TESpecProvider' is not defined"  # core_v0.16.1's gpt_layer_specs
+
+
+def _te_importable() -> bool:
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    return getattr(specs, "TESpecProvider", None) is not None
+
+
+def _megatron_lm_args(monkeypatch, **args):
+    """STAND-IN for a Megatron-LM job's parsed arguments (``initialize_megatron`` sets them in
+    ``megatron.training.global_vars``, which the pip megatron-core does not ship)."""
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars",
+                        types.SimpleNamespace(_GLOBAL_ARGS=types.SimpleNamespace(**args)))
+
+
+@pytest.mark.quick("cross_rank.publish_settings")
+def test_transformer_engine_missing_stops_the_run_in_the_doctors_words_only_where_megapatch_is_active(monkeypatch):
+    """``--transformer-impl transformer_engine`` without TE: megapatch, where active, stops the job
+    once model parallelism is set up (before any model is built, so before upstream's NameError),
+    saying what the doctor says; megapatch native or off, or a job that builds no TE spec, is
+    left to upstream."""
+    from megapatch.commands.doctor import _upstream_stops
+    from megapatch.core import state
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.core.options import Settings
+    from megapatch.patches import cross_rank as patch
+
+    if _te_importable():
+        pytest.skip("Transformer Engine is importable here")
+    built = []
+
+    def initialize_model_parallel():
+        built.append(True)
+        return "groups"
+
+    _megatron_lm_args(monkeypatch, transformer_impl="transformer_engine", spec=None, use_legacy_models=False)
+    assert patch._initialize_model_parallel(initialize_model_parallel, None, (), {}) == "groups"  # native
+    before = state.current(), state.sources()
+    state.set_current(Settings(logits_dtype="fp32"), {"logits_dtype": "env MEGAPATCH_LOGITS_DTYPE"})
+    try:
+        with pytest.raises(UnsupportedConfigurationError) as caught:
+            patch._initialize_model_parallel(initialize_model_parallel, None, (), {})
+        assert len(built) == 2  # the groups were built (and the settings published) first
+        said = str(caught.value)
+        [doctor] = _upstream_stops(types.SimpleNamespace(transformer_impl="transformer_engine"))
+        for words in ("Transformer Engine is not installed", "--transformer-impl transformer_engine (Megatron-LM's "
+                      "default) needs it", "while building its layer specification (upstream raises NameError: "
+                      "TESpecProvider)", "Pass --transformer-impl local, or install transformer-engine"):
+            assert words in said and words in doctor, (words, said, doctor)
+        assert "before any model is built" in said, said
+        # jobs that build no Transformer Engine spec from --transformer-impl
+        for other in (dict(transformer_impl="local"), dict(spec="my_specs.local_spec"), dict(use_legacy_models=True)):
+            _megatron_lm_args(monkeypatch, **{"transformer_impl": "transformer_engine", **other})
+            assert patch._initialize_model_parallel(initialize_model_parallel, None, (), {}) == "groups", other
+        # outside a Megatron-LM job (megatron-core alone): no arguments to read, nothing refused
+        monkeypatch.delitem(sys.modules, "megatron.training.global_vars")
+        assert patch._initialize_model_parallel(initialize_model_parallel, None, (), {}) == "groups"
+    finally:
+        state.set_current(*before)
+
+
+@pytest.mark.quick("tp_invariant.construction")
+def test_a_megatron_lm_sequence_w_does_not_divide_is_refused_at_construction_with_sequence_parallelism(monkeypatch):
+    """megatron-core's TransformerConfig has no sequence length; in a Megatron-LM job the block reads
+    ``--seq-length`` from the job's arguments and refuses it as the doctor does from the flags."""
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.commands.megatron_lm_flags import config_from_flags
+    from megapatch.patches import tp_invariant as patch
+    from megapatch.testing import tiny_gpt_config
+
+    listed = patch._preflight_model(config_from_flags(SP_SEQUENCE_36))
+    config = tiny_gpt_config(2, sequence_parallel=True, hidden_size=64, num_attention_heads=4,
+                             bias_activation_fusion=False)
+    assert not hasattr(config, "seq_length")
+    patch._check_config(config)  # no Megatron-LM job: the sequence is unknown until a batch comes
+    _megatron_lm_args(monkeypatch, seq_length=36, padded_vocab_size=256)
+    with pytest.raises(UnsupportedConfigurationError) as caught:
+        patch._check_config(config)
+    said = _said(str(caught.value))
+    assert said.startswith("does not support the sequence length 36 (--seq-length) with --sequence-parallel at "
+                           "TP 2") and said in listed, (said, listed)
+    _megatron_lm_args(monkeypatch, seq_length=40, padded_vocab_size=256)  # 40 = 5 x 8
+    patch._check_config(config)
+    _megatron_lm_args(monkeypatch, seq_length=36, padded_vocab_size=256)
+    config.sequence_parallel = False  # the sequence is not split: nothing to refuse
+    patch._check_config(config)
+    config.sequence_parallel, config.variable_seq_lengths = True, True  # batches vary: the first step tells
+    patch._check_config(config)
+
+
+@pytest.mark.parametrize("name", ["sequence 36 with --sequence-parallel at TP 2",
+                                  "--transformer-impl transformer_engine without TE"])
+def test_pretrain_gpt_stops_before_its_model_is_built_in_the_doctors_words(megatron_lm, monkeypatch, name):
+    flags = {"sequence 36 with --sequence-parallel at TP 2": SP_SEQUENCE_36,
+             "--transformer-impl transformer_engine without TE": TE_WITHOUT_TE}[name]
+    te = name.startswith("--transformer-impl")
+    if te and _te_importable():
+        pytest.skip("Transformer Engine is importable here")
+    run = mlm.launch(megatron_lm, flags, nproc=2, megapatch_env={"MEGAPATCH_TP_INVARIANT": "1"}, timeout=300)
+    assert run.returncode != 0 and not run.losses, run.tail()
+    assert "number of parameters" not in run.log and UPSTREAM_NAME_ERROR not in run.log, run.tail()
+    assert ("building GPT model" in run.log) != te, run.tail()  # TE: stopped before the model is built
+    doctor = _doctor(monkeypatch, flags, {})["flags"]
+    lines = [line for line in run.log.splitlines() if "megapatch: UnsupportedConfigurationError" in line
+             and "full message" not in line]  # rank 0's whole message; rank 1 names it in short
+    assert len(lines) == 1, run.tail()
+    if te:
+        [stop] = doctor["stops"]
+        for words in ("Transformer Engine is not installed", "--transformer-impl transformer_engine (Megatron-LM's "
+                      "default) needs it", "Pass --transformer-impl local, or install transformer-engine"):
+            assert words in lines[0] and words in stop, (words, lines[0], stop)
+        return
+    [listed] = doctor["refusals"].values()
+    assert "the sequence length 36 (--seq-length) with --sequence-parallel at TP 2" in lines[0], lines[0]
+    assert _said(lines[0]) in listed, (lines[0], listed)

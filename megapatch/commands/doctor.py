@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
@@ -129,7 +130,7 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
         row["requested"], error = _guard(f"{patch.name}.applies", lambda: bool(patch.applies(settings)), False)
         if error:
             row["problems"].append(error)
-        row["opted_out"] = patch.name in settings.skip_patches
+        row["opted_out"] = bool(patch.left_out(settings.skip_patches))
     top = patch.hook.split(".")[0]
     if not _findable(top):
         row["problems"].append(f"{top} is not installed")
@@ -239,18 +240,14 @@ def _stacks() -> dict:
             for package, (_module, specifier) in upstream_versions.STACKS_TESTED.items()}
 
 
-TE_MISSING = "Transformer Engine is not installed"
-
-
 def _upstream_stops(config) -> List[str]:
     """What stops the flags' job before any megapatch check could: Megatron-LM's default
-    Transformer Engine layers where TE is not installed."""
-    if getattr(config, "transformer_impl", None) == "transformer_engine" and not _findable("transformer_engine"):
-        return [f"{TE_MISSING}, and --transformer-impl transformer_engine (Megatron-LM's default) needs it: "
-                f"the job stops while building its layer specification (upstream raises NameError: "
-                f"TESpecProvider), before any megapatch check. Pass --transformer-impl local, or install "
-                f"transformer-engine"]
-    return []
+    Transformer Engine layers where TE is not installed (the rule the run applies itself where
+    megapatch is active: ``patches.cross_rank.transformer_engine_stop``)."""
+    from megapatch.patches.cross_rank import transformer_engine_stop
+
+    stop = transformer_engine_stop(config)
+    return [f"{stop} (this stops the job before any megapatch check)"] if stop else []
 
 
 @contextlib.contextmanager
@@ -295,9 +292,12 @@ def _verdict(result: dict, strict: bool):
         return INVALID_ENVIRONMENT, "an invalid MEGAPATCH_* value (exit 2)"
     refusals = (result["flags"] or {}).get("refusals")
     if (result["flags"] or {}).get("stops"):
+        from megapatch.patches.cross_rank import transformer_engine_missing
+
+        cause = transformer_engine_missing(types.SimpleNamespace(**result["flags"]["config"]))
         also = f"; megapatch would then refuse it too ({', '.join(refusals)})" if refusals else ""
         return CANNOT_APPLY, (f"with these Megatron-LM flags the job would stop before its first step: "
-                              f"{TE_MISSING}{also} (exit 1)")
+                              f"{cause}{also} (exit 1)")
     if refusals:
         return CANNOT_APPLY, (f"with these Megatron-LM flags the job would be refused before its first "
                               f"step by {', '.join(refusals)} (exit 1)")

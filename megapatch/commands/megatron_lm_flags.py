@@ -101,6 +101,8 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         moe_token_dispatcher_type=_value(argv, "--moe-token-dispatcher-type") or "allgather",
         moe_grouped_gemm="--moe-grouped-gemm" in flags,
         transformer_impl=_value(argv, "--transformer-impl") or "transformer_engine",
+        spec=_value(argv, "--spec"),  # a job's own layer spec: no TE spec from --transformer-impl
+        use_legacy_models="--use-legacy-models" in flags,
         use_distributed_optimizer="--use-distributed-optimizer" in flags,
         num_distributed_optimizer_instances=_int(argv, "--num-distributed-optimizer-instances", 1),
         # Megatron-LM main's --output-logit-dtype {bf16,fp32} (dest logit_dtype; PR #6252)

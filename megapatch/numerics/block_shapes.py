@@ -46,12 +46,13 @@ def _width() -> str:
     return f"the width W={width()} ({state.origin(WIDTH_OPTION)})"
 
 
-def _split_dimensions(config) -> List[Tuple[str, int, str]]:
+def _split_dimensions(config, seq_length: Optional[int] = None) -> List[Tuple[str, int, str]]:
     """``(what, size, the flag to change)`` for each dimension a GPT layer built from ``config``
     splits over TP. The sequence counts only with sequence parallelism at TP > 1 (norm and bias
-    gradients then sum it in W blocks across ranks), where the config has a ``seq_length``: the
-    doctor's, from ``--seq-length``; megatron-core's ``TransformerConfig`` has none, so the run
-    meets that one at its first step."""
+    gradients then sum it in W blocks across ranks), where its length is known: the config's
+    ``seq_length`` (the doctor's, from ``--seq-length``), else ``seq_length`` (the run's, from a
+    Megatron-LM job's arguments: megatron-core's ``TransformerConfig`` has no such field; see
+    :func:`megatron_lm_sequence_length`). Unknown, the run meets it at its first step."""
     found = []
     heads, channels = getattr(config, "num_attention_heads", None), getattr(config, "kv_channels", None)
     if heads and channels and not getattr(config, "multi_latent_attention", False):
@@ -68,22 +69,23 @@ def _split_dimensions(config) -> List[Tuple[str, int, str]]:
         found.append((f"ffn_hidden_size={ffn} (--ffn-hidden-size)"
                       + (", the size of each of the SwiGLU fc1's gate and up halves (--swiglu)" if gated else ""),
                       ffn, "--ffn-hidden-size"))
-    seq = getattr(config, "seq_length", None)
+    seq = getattr(config, "seq_length", None) or seq_length
     if seq and getattr(config, "sequence_parallel", False) and tp_size(config) > 1:
         found.append((f"the sequence length {seq} (--seq-length) with --sequence-parallel at TP {tp_size(config)}",
                       seq, "--seq-length"))
     return found
 
 
-def shape_refusals(config) -> List[Refusal]:
-    """The TP size against the width, then every split dimension the width does not divide."""
+def shape_refusals(config, seq_length: Optional[int] = None) -> List[Refusal]:
+    """The TP size against the width, then every split dimension the width does not divide
+    (``seq_length``: the sequence's length where ``config`` has none, else None)."""
     w, tp = width(), tp_size(config)
     found = []
     if w % tp:
         found.append((f"the tensor-parallel size {tp} (--tensor-model-parallel-size) with {_width()}",
                       f"each rank owns W/TP of the W blocks, so the TP size must divide W; widths for "
                       f"TP={tp}: {valid_widths(tp)}"))
-    dimensions = _split_dimensions(config)
+    dimensions = _split_dimensions(config, seq_length)
     fits = valid_widths(tp, [size for _, size, _ in dimensions])
     for what, size, flag in dimensions:
         if size % w:
@@ -136,12 +138,28 @@ def vocabulary_refusal(vocabulary, tp: int) -> Optional[Refusal]:
 _VOCABULARY_ARGS = ("padded_vocab_size", "vocab_size", "make_vocab_size_divisible_by", "tokenizer_type")
 
 
+def megatron_lm_args():
+    """Inside a Megatron-LM job, its parsed arguments, else None. Megatron-LM keeps them in its
+    global args (``megatron.training.global_vars``), read only when that module is already
+    loaded (never imported from here) and once they are set (``initialize_megatron``)."""
+    return getattr(sys.modules.get("megatron.training.global_vars"), "_GLOBAL_ARGS", None)
+
+
 def megatron_lm_vocabulary():
     """Inside a Megatron-LM job, the padded vocabulary its model is built with and the arguments
-    that padded it, else None. Megatron-LM keeps them in its global args
-    (``megatron.training.global_vars``), read only when that module is already loaded: a model
-    knows its padded size, not the flags behind it."""
-    args = getattr(sys.modules.get("megatron.training.global_vars"), "_GLOBAL_ARGS", None)
+    that padded it, else None: a model knows its padded size, not the flags behind it."""
+    args = megatron_lm_args()
     if getattr(args, "padded_vocab_size", None) is None:
         return None
     return types.SimpleNamespace(**{name: getattr(args, name, None) for name in _VOCABULARY_ARGS})
+
+
+def megatron_lm_sequence_length(config=None) -> Optional[int]:
+    """Inside a Megatron-LM job, ``--seq-length``: the length of the sequences its GPT datasets
+    (mock and indexed) cut, which every layer sees, the decoder's input being ``[s, b, h]``; else
+    None, also where ``config`` (the model's ``TransformerConfig``) says that batches vary in
+    length (``variable_seq_lengths``): then only a batch tells, at the first step."""
+    args = megatron_lm_args()
+    if args is None or getattr(config, "variable_seq_lengths", False):
+        return None
+    return getattr(args, "seq_length", None)
