@@ -198,3 +198,23 @@ def test_fp32_logits_cross_the_pipeline_and_reach_the_receiving_stage(model_dtyp
         assert torch.equal(got, first_stage["fp32"]["broadcast"][1])  # both stages hold the same
         dtype, got, reference = stage["native"]["broadcast"]
         assert dtype == native_dtype and (got - reference).abs().max() > 1e-5, rank
+
+
+def test_only_the_controllers_logits_broadcast_is_wrapped_not_the_shared_function():
+    """fresh-sample survivor (logits_fp32_inference.py: the broadcast's target with
+    ``rebind_aliases=True``): ``broadcast_from_last_pipeline_stage`` is defined in
+    ``inference.communication_utils`` and shared by whoever imports it; only the controller's copy
+    (its logits broadcasts) may broadcast FP32. Rebinding every alias would turn any other
+    module's BF16/FP16 broadcast of the same function into FP32, which its receiver does not
+    expect."""
+    import megapatch
+    from megatron.core.inference import communication_utils
+    from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
+
+    original = communication_utils.broadcast_from_last_pipeline_stage
+    assert tgc.broadcast_from_last_pipeline_stage is original  # megapatch off: one shared function
+    megapatch.enable(logits_dtype="fp32")
+    assert tgc.broadcast_from_last_pipeline_stage is not original  # the controller's logits broadcasts
+    assert communication_utils.broadcast_from_last_pipeline_stage is original
+    megapatch.disable()
+    assert tgc.broadcast_from_last_pipeline_stage is original

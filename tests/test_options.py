@@ -92,3 +92,18 @@ def test_disable_env_turns_enable_into_a_no_op(monkeypatch):
     with pytest.warns(UserWarning, match="MEGAPATCH_DISABLE"):
         status = megapatch.enable(tp_reduce_dtype="fp32")
     assert not status.enabled and status.active == []
+
+
+def test_every_power_of_two_up_to_128_is_a_width_and_nothing_else_is():
+    """fresh-sample survivor (options.py: the choices' 32 turned 33): each width the docs promise
+    (tp_invariant.md: a power of two in 1..128) is taken from the variable and from enable(), and
+    the refusal of another lists exactly those."""
+    widths = [2 ** i for i in range(8)]
+    for width in widths:
+        env = {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_TP_INVARIANT_WIDTH": str(width)}
+        assert options.resolve({}, environ=env)[0].tp_invariant_width == width
+        assert options.resolve({"tp_invariant": True, "tp_invariant_width": width}, environ={})[0].tp_invariant_width == width
+    for other in ("33", "48", "256"):
+        with pytest.raises(OptionError) as err:
+            options.resolve({}, environ={"MEGAPATCH_TP_INVARIANT_WIDTH": other})
+        assert "valid choices: " + ", ".join(map(str, widths)) in str(err.value), str(err.value)

@@ -193,3 +193,21 @@ def test_a_bad_value_stops_a_process_that_imported_megatron_before_the_hook():
     assert result.returncode != 0 and "RAN ON" not in result.stdout, (result.stdout, result.stderr[-3000:])
     assert "MEGAPATCH_TP_REDUCE_DTYPE" in result.stderr and "bogus" in result.stderr, result.stderr[-3000:]
 
+
+
+def test_a_trigger_another_thread_already_removed_arms_nothing_and_raises_nothing(monkeypatch):
+    """fresh-sample survivor (startup.py: ``_disarm``'s ``except ValueError`` replaced): two threads
+    that look up ``megatron`` at once both reach the one trigger; the first removes it and arms,
+    the second finds it gone and must neither raise (its import would fail) nor arm again. Made
+    deterministic here: the second lookup runs after the first, in this process."""
+    import sys
+
+    from megapatch.core import startup
+
+    armed = []
+    monkeypatch.setattr(startup, "arm", lambda: armed.append(True))
+    trigger = startup._Trigger()
+    monkeypatch.setattr(sys, "meta_path", [trigger, *sys.meta_path])
+    assert trigger.find_spec("megatron") is None and armed == [True] and trigger not in sys.meta_path
+    assert trigger.find_spec("megatron") is None and armed == [True]  # the other thread's lookup
+    assert trigger.find_spec("transformer_engine") is None and armed == [True]

@@ -117,3 +117,32 @@ def test_another_patch_module_or_an_edited_checker_is_checked_again(te_tree, tmp
     monkeypatch.setattr(verdict, "_CHECKER", str(checker))
     assert verdict.verdict(str(root), b) == (("patch_b not wired",), "checked")
     assert seen == ["patch_a", "patch_b", "patch_a", "patch_b"], seen
+
+
+def test_a_process_asks_once_and_the_message_shows_four_problems_then_counts_the_rest(te_tree, tmp_path, monkeypatch):
+    """fresh-sample survivors (verdict.py): ``installed_problem`` reads the verdict once per process
+    for each (TE, patch module) pair (every probe and status call asks again); its message shows
+    the first four problems and counts the others, with no count at four or fewer."""
+    import types
+
+    root, _calls = te_tree
+    monkeypatch.setattr(verdict, "installed_root", lambda: str(root))
+    asked, real = [], verdict.verdict
+
+    def counting(*args, **kwargs):
+        asked.append(args[1].__name__)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verdict, "verdict", counting)
+    getattr(verdict._problems, "cache_clear", lambda: None)()
+    for count, shown, more in ((6, 4, "; and 2 more"), (4, 4, ""), (5, 4, "; and 1 more"), (1, 1, "")):
+        spec = types.ModuleType(f"spec_{count}")
+        spec.__file__ = str(tmp_path / f"spec_{count}.py")
+        (tmp_path / f"spec_{count}.py").write_text(f"# a TE patch module with {count} problems\n")
+        monkeypatch.setattr(wiring, "check", lambda sources, s, n=count: [f"problem {i}" for i in range(1, n + 1)])
+        expected = ("the installed Transformer Engine is not wired as megapatch relies on: "
+                    + "; ".join(f"problem {i}" for i in range(1, shown + 1)) + more)
+        assert verdict.installed_problem(spec) == expected
+        assert verdict.installed_problem(spec) == expected  # the second time from this process's memory
+    assert asked == ["spec_6", "spec_4", "spec_5", "spec_1"], asked
+    getattr(verdict._problems, "cache_clear", lambda: None)()

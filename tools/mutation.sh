@@ -25,7 +25,9 @@ CR_PY=${COSMIC_RAY_PY:-$PYTHON}
 out=$(mkdir -p "${MUTATION_OUT:-$root/build/mutation}" && cd "${MUTATION_OUT:-$root/build/mutation}" && pwd)
 MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits.py patches/_common.py
          patches/tp_reduce_megatron_core.py patches/cross_rank.py megapatch/numerics/fp32_collectives.py
-         megapatch/numerics/fp32_gemm.py megapatch/numerics/fp32_output_linear.py megapatch/core/cross_rank.py)
+         megapatch/numerics/fp32_gemm.py megapatch/numerics/fp32_output_linear.py megapatch/core/cross_rank.py
+         patches/logits_fp32_inference.py patches/fp8_align_transposes.py megapatch/te_check/verdict.py
+         megapatch/core/startup.py megapatch/numerics/block_shapes.py megapatch/core/options.py)
 [ $# -gt 0 ] && MODULES=("$@")
 
 tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout
