@@ -7,8 +7,9 @@ MASTER_PORT, LOCAL_RANK, **job env}}`` (verl's ``RayWorkerGroup`` passes the sam
 Each actor joins a gloo group, builds megatron-core's parallel state (TP = world size) and the tiny
 GPT, and trains one step with megatron-core's BF16 optimizer. The driver never sets a
 ``MEGAPATCH_*`` variable and never imports megapatch's engine. It prints one ``RESULT <json>``
-line: per job, each rank's outcome (status, logits dtype, loss, or the error text). The actors'
-own output (the activation line) reaches the driver's stderr through Ray's log forwarding.
+line: per job, each rank's outcome (status, logits dtype, loss, or the error text; ``died`` for
+every rank of a job one of whose actors died). The actors' own output (the activation line)
+reaches the driver's stderr through Ray's log forwarding.
 
 ``JOBS_JSON``: ``[{"name": ..., "env": [{VAR: VALUE} per rank]}, ...]``.
 """
@@ -94,7 +95,13 @@ def run(jobs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                        "PYTHONWARNINGS": "ignore", **extra}
                 actors.append(actor_class.options(runtime_env={"env_vars": env}).remote())
-            results[job["name"]] = ray.get([a.train_step.remote() for a in actors], timeout=600)
+            try:
+                results[job["name"]] = ray.get([a.train_step.remote() for a in actors], timeout=600)
+            except ray.exceptions.RayError as exc:  # an actor died (a crashed collective, say): this
+                # job's outcome, reported as such; the other jobs are still judged
+                died = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+                results[job["name"]] = [{"rank": rank, "status": "died", "error": died}
+                                        for rank in range(len(actors))]
             for actor in actors:
                 ray.kill(actor)
         return results
