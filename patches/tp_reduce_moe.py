@@ -194,6 +194,7 @@ PATCHES = (
         summary="FP32 expert sums in megatron-core MoE layers (dispatcher reduce-scatter/all-to-all, top-k combine)",
         hook=MOE_LAYER,
         applies=lambda s: s.tp_reduce_dtype == "fp32",
+        requires=("tp_reduce.megatron_core",),  # its RowParallelLinear wrapper hands on the FP32 sums
         backend=_backend,
         preflight=_preflight,
         probe=_probe,

@@ -335,6 +335,9 @@ def test_skip_patches_argument_removes_an_installed_patch():
     assert status.patch("tp_reduce.megatron_core").state == "opted-out"
     assert mappings._reduce is ORIGINAL_REDUCE
     assert status.sources["skip_patches"] == "enable()"
+    # the MoE patch reads what the RowParallelLinear wrapper hands on: it is left out with it
+    moe = status.patch("tp_reduce.moe")
+    assert moe.state == "opted-out" and "builds on tp_reduce.megatron_core" in moe.reason, moe
 
 
 def test_unknown_patch_name_is_refused_with_the_valid_names(monkeypatch):
@@ -349,10 +352,11 @@ def test_unknown_patch_name_is_refused_with_the_valid_names(monkeypatch):
 
 
 def test_opting_out_every_patch_of_a_requested_option_is_refused():
-    with pytest.raises(OptionError, match="every patch serving it is opted out"):
+    with pytest.raises(OptionError, match="every patch serving it is opted out") as err:
         megapatch.enable(tp_reduce_dtype="fp32",
                          skip_patches="tp_reduce.megatron_core,tp_reduce.transformer_engine")
     assert not megapatch.is_enabled()
+    assert "tp_reduce.moe builds on tp_reduce.megatron_core" in str(err.value), err.value
 
 
 # -- issue 10 item 3: one activation line, once-per-job lines --------------------------------

@@ -137,6 +137,7 @@ def test_moe_paths_fp32_does_not_reach_are_refused_at_construction_naming_the_fl
     assert "tp_reduce_dtype was set by" in message and "fp32-accumulate" in message
 
 
+@pytest.mark.quick("tp_reduce.moe")
 def test_status_names_the_moe_paths_covered_and_refused():
     import megapatch
     from megapatch.core import engine
@@ -177,6 +178,7 @@ def test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does(extra, refused
     assert _cli(["doctor", "--", *MOE_FLAGS, *extra]).returncode == 0
 
 
+@pytest.mark.quick("tp_reduce.moe")
 def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute(monkeypatch):
     import inspect
 

@@ -199,14 +199,14 @@ def check(patch: Patch) -> List[str]:
 # -- internals ---------------------------------------------------------------------------------
 
 def _wanted(patch: Patch, settings) -> bool:
-    return patch.applies(settings) and patch.name not in settings.skip_patches
+    return patch.applies(settings) and not patch.left_out(settings.skip_patches)
 
 
 def _refuse_unavailable(settings, sources) -> None:
     """A requested value that no discovered patch serves is refused (an option whose patch is not
     built), and so is one whose every serving patch is opted out: never run upstream numerics
-    silently where a change was asked for. Patches opted out beside others that still serve the
-    option are fine."""
+    silently where a change was asked for (a patch that builds on an opted-out one is left out
+    too). Patches opted out beside others that still serve the option are fine."""
     for name, value in settings.requested().items():
         alone = options.Settings(**{name: value})
         serving = [p.name for p in patches() if p.option == name and p.applies(alone)]
@@ -223,11 +223,15 @@ def _refuse_unavailable(settings, sources) -> None:
                 f"needs every one of its patches, but {', '.join(needed)} is opted out (skip_patches from "
                 f"{sources.get('skip_patches')}): without it the guarantee does not hold. Remove it from "
                 f"skip_patches, or turn {name} off")
-        if all(p in settings.skip_patches for p in serving):
+        by_name = {p.name: p for p in patches()}
+        if all(by_name[p].left_out(settings.skip_patches) for p in serving):
+            through = "".join(f"; {p} builds on {', '.join(by_name[p].left_out(settings.skip_patches))}"
+                              for p in serving if p not in settings.skip_patches)
             raise OptionError(
                 f"megapatch option {name}={value!r} ({sources.get(name)}) asks for a change, but every "
-                f"patch serving it is opted out ({', '.join(serving)} in skip_patches, "
-                f"{sources.get('skip_patches')}): keep at least one, or set {env} to native")
+                f"patch serving it is opted out ({', '.join(p for p in serving if p in settings.skip_patches)} "
+                f"in skip_patches, {sources.get('skip_patches')}{through}): keep at least one, or set {env} "
+                f"to native")
 
 
 def _apply(settings, sources, wanted) -> None:
@@ -394,9 +398,11 @@ def _report(patch: Patch, settings) -> PatchReport:
         return PatchReport(patch.name, patch.option, patch.summary, "incompatible", reason=_failed[patch.name])
     if patch.name in _skipped:
         return PatchReport(patch.name, patch.option, patch.summary, "skipped", reason=_skipped[patch.name])
-    if _enabled and patch.applies(settings) and patch.name in settings.skip_patches:
+    left_out = patch.left_out(settings.skip_patches)
+    if _enabled and patch.applies(settings) and left_out:
+        builds_on = "" if patch.name in left_out else f"builds on {', '.join(left_out)}, "
         return PatchReport(patch.name, patch.option, patch.summary, "opted-out",
-                           reason=f"left out on purpose: skip_patches from {state.sources()['skip_patches']}")
+                           reason=f"{builds_on}left out on purpose: skip_patches from {state.sources()['skip_patches']}")
     if _enabled and patch.applies(settings):
         return PatchReport(patch.name, patch.option, patch.summary, "pending-import",
                            reason=f"installs when {patch.hook} is imported")

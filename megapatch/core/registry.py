@@ -63,6 +63,8 @@ class Patch:
     it, or ``None``; the patch's own construction-time check must say the same.
     ``announces``: the patch only publishes this rank's settings (no upstream behaviour changes);
     it is kept under the kill switch, so that peers learn at once that megapatch is off here.
+    ``requires``: names of patches this one builds on (it reads what their wrappers produce): it
+    is left out with them (see ``left_out``).
     """
 
     name: str
@@ -79,6 +81,11 @@ class Patch:
     guarantee: bool = False
     preflight: Optional[Callable[[object], Optional[str]]] = None
     announces: bool = False
+    requires: Tuple[str, ...] = ()
+
+    def left_out(self, skip_patches) -> Tuple[str, ...]:
+        """The opted-out patch names that leave this patch out: its own, or one it builds on."""
+        return tuple(name for name in (self.name, *self.requires) if name in skip_patches)
 
 
 def discover() -> Tuple[Patch, ...]:
