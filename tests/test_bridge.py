@@ -221,3 +221,32 @@ def test_bridge_pretrain_steps_with_tp_invariant_print_tp1s_losses_at_tp2(llama)
         assert re.search(r"megapatch enabled: .*tp_invariant=True \(env MEGAPATCH_TP_INVARIANT\)", run.log), run.tail()
         runs[tp] = steps
     assert runs[1] == runs[2], runs
+
+
+@needs_bridge
+@pytest.mark.slow
+def test_fp32_keeps_every_expert_choice_of_a_bridge_qwen3_moe_at_tp2_and_ep2(tmp_path):
+    """A Hugging Face Qwen3-MoE (benchmarks/moe_hf.py's, planted outliers) through AutoBridge, BF16,
+    alltoall dispatcher, sequence parallelism, expert TP = TP: natively TP2 drifts from TP1; with
+    MEGAPATCH_TP_REDUCE_DTYPE=fp32 from the environment only, TP2 and EP2 route every token of every
+    layer to the experts TP1 chose and KL(TP1 || TP2) falls at least 20x."""
+    import torch
+
+    from megapatch.testing import run_ranks
+    from megapatch.testing.scenarios import bridge_moe as B
+    from megapatch.testing.scenarios import llama_hf as L
+
+    config = B.build_tiny_hf_moe(tmp_path / "hf", "qwen3_moe")
+    torch.save(L.tokens(2, 64, config["vocab_size"]), tmp_path / "tokens.pt")
+    layouts = [(1, 1), (2, 1), (1, 2)]  # (TP, EP) on two ranks
+    native, fp32 = (run_ranks(B.forward_layouts, 2, tp=1, env=env, timeout=600,
+                              args=(str(tmp_path / "hf"), str(tmp_path / "tokens.pt"), config["vocab_size"], layouts))[0]
+                    for env in ({}, {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}))
+    assert not native["enabled"] and fp32["sources"]["tp_reduce_dtype"] == "env MEGAPATCH_TP_REDUCE_DTYPE"
+    assert "tp_reduce.moe" in fp32["active"], fp32["active"]
+    assert set(fp32["logits_dtype"].values()) == {"torch.bfloat16"}
+    for layout in layouts[1:]:
+        assert B.routing_disagreement(fp32["routing"][layout], fp32["routing"][(1, 1)]) == 0, layout
+    d_native, d_fp32 = (L.drift(run["logits"][(2, 1)], run["logits"][(1, 1)]) for run in (native, fp32))
+    assert d_native["kl"] > 0, d_native  # the BF16 sums really drift here (else the test could not fail)
+    assert d_fp32["kl"] * 20 <= d_native["kl"], (d_native, d_fp32)
