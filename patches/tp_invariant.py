@@ -41,7 +41,11 @@ Sequence parallelism is covered: the row-parallel fixed-tree sum is sliced to th
 sliced; the norms' and row-parallel biases' gradients (sums over tokens) run as token blocks in the
 tree at every TP size (``TokenBlockedAffine``/``TokenBlockedBias``), across TP when SP splits the tokens.
 
-Refused in this mode (with the reason): QK layernorm, norms other than torch's, Transformer Engine modules, fused
+QK layernorm (Qwen3): the per-head q/k norms' weight gradients sum over tokens and the heads TP
+splits as W leaves of the fixed tree (``block_tree._head_leaves``), handed to upstream's TP
+all-reduce of those gradients on rank 0 only.
+
+Refused in this mode (with the reason): QK layernorm on a head count W cannot cut, norms other than torch's, Transformer Engine modules, fused
 bias-activation, fewer KV groups than the TP size, gradient-accumulation fusion, deferred embedding wgrad,
 expert layers, several distributed-optimizer instances, grad norms over expert ranks (or over
 data-parallel ranks without the distributed optimizer), and ``tp_reduce_dtype`` other than native
@@ -204,14 +208,24 @@ def _norm_affine(module):
     return None
 
 
-def _token_blocked_norm(module) -> None:
+_QK_NORMS = ("q_layernorm", "k_layernorm")  # the attention's per-head norms (--qk-layernorm)
+
+
+def _is_qk_norm(name: str, config) -> bool:
+    """The attention's per-head query/key norm, named as upstream names it (and as its
+    ``finalize_model_grads`` finds it); multi-latent attention's norms of that name act on the
+    replicated latent, per token."""
+    return name.rsplit(".", 1)[-1] in _QK_NORMS and not getattr(config, "multi_latent_attention", False)
+
+
+def _token_blocked_norm(module, heads: bool = False) -> None:
     """Route a norm layer's affine part through ``TokenBlockedAffine`` (its weight and bias
-    gradients sum over tokens, which sequence parallelism splits over TP); refuse norms with
-    parameters that the mode does not know."""
+    gradients sum over tokens, which sequence parallelism splits over TP; ``heads``: a QK norm's,
+    over tokens and the heads TP splits); refuse norms with parameters that the mode does not know."""
     if getattr(module, "_megapatch_token_blocked", False):
         return
     if _norm_affine(module) is not None:
-        module.forward = functools.partial(_norm_forward, module, module.forward)
+        module.forward = functools.partial(_norm_forward, module, module.forward, heads)
         module._megapatch_token_blocked = True
     elif "norm" in type(module).__name__.lower() and any(True for _ in module.parameters(recurse=False)):
         _refuse(f"the norm layer {type(module).__qualname__}",
@@ -219,11 +233,17 @@ def _token_blocked_norm(module) -> None:
                 "LayerNorm/RMSNorm and megatron-core's FusedLayerNorm are covered")
 
 
-def _norm_forward(module, original, hidden):
+def _norm_forward(module, original, heads, hidden):
     if not tpi.active():
         return original(hidden)
     normalise, weight, bias = _norm_affine(module)  # per call: a zero-centred weight is w + 1
     group = _tp_group_if_initialised()
+    if heads:  # [s, b, heads or KV groups of this rank, head dim]
+        if hidden.dim() != 4:
+            _refuse(f"a QK norm's input of shape {tuple(hidden.shape)}",
+                    "the mode sums its gradient over [sequence, batch, heads, head dim]")
+        return tpi.TokenBlockedAffine.apply(normalise(hidden.float()), weight, bias, group,
+                                            tpi.blocks_per_rank(group), False, hidden.dtype, True)
     split = bool(getattr(module.weight, "sequence_parallel", False)) and tpi.group_size(group) > 1
     return tpi.TokenBlockedAffine.apply(normalise(hidden.float()), weight, bias, group,
                                         _token_blocks(hidden, group, split), split, hidden.dtype)
@@ -287,8 +307,6 @@ def _fused_activation_flag(config) -> str:
 #: config field -> (is it refused for this value, Megatron-LM flag that sets it (or a function of
 #: the config giving it), why)
 _REFUSED_CONFIG = {
-    "qk_layernorm": (bool, "--qk-layernorm",
-                     "its weight gradient sums over the heads TP splits, outside the fixed tree"),
     "gradient_accumulation_fusion": (bool, "on by default; --no-gradient-accumulation-fusion",
                                      "its fused wgrad GEMM accumulates by shape"),
     "bias_activation_fusion": (bool, _fused_activation_flag,
@@ -375,11 +393,12 @@ def _block_init(wrapped, instance, args, kwargs):
     the layers the block built (Transformer Engine modules)."""
     if not tpi.active():
         return wrapped(*args, **kwargs)
-    _check_config(argument(args, kwargs, 0, "config"))
+    config = argument(args, kwargs, 0, "config")
+    _check_config(config)
     result = wrapped(*args, **kwargs)
-    for module in instance.modules():
+    for name, module in instance.named_modules():
         _refuse_te(module)
-        _token_blocked_norm(module)
+        _token_blocked_norm(module, _is_qk_norm(name, config))
         _mark_gated_fc1(module)
     return result
 

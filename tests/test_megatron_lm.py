@@ -189,19 +189,29 @@ def test_tp_invariant_gelu_layernorm_is_bit_identical_at_tp1_and_tp2(checkout):
 
 
 @pytest.mark.slow
-def test_tp_invariant_llama_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2(checkout):
-    """tp_invariant through Megatron-LM's own script with the Llama flags: TP=1 and TP=2 (same
-    padded vocabulary, same initial model) print identical losses and clipped grad norms at every
-    iteration; native reductions do not (the comparison can fail)."""
+def test_tp_invariant_qwen3_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2(checkout):
+    """tp_invariant through Megatron-LM's own script with Qwen3's dense flags (the Llama flags plus
+    --qk-layernorm, whose q/k norm gradients upstream's finalize_model_grads sums over TP): TP=1
+    and TP=2 (same padded vocabulary, same initial model) print identical losses and clipped grad
+    norms at every iteration; native reductions do not (the comparison can fail). Plain Llama
+    flags run in the sequence-parallel test below."""
     _tp_invariant_revision(checkout)
     printed = {}
     for mode, env in (("invariant", {"MEGAPATCH_TP_INVARIANT": "1"}), ("native", {})):
         for tp in (1, 2):
             # tp_invariant refuses fused bias-activation kernels (not verified bit-stable yet)
-            flags = mlm.tiny_gpt_flags(tp=tp, **TP_FLAGS, extra=LLAMA_FLAGS + ("--no-bias-swiglu-fusion",))
-            run, _ = _run(checkout, f"llama-tp{tp}-{mode}", flags, nproc=tp, megapatch_env=env)
-            printed[(mode, tp)] = (_trained(run, ITERS), _grad_norms(run))
+            flags = mlm.tiny_gpt_flags(tp=tp, **TP_FLAGS, extra=LLAMA_FLAGS + ("--qk-layernorm",
+                                                                             "--no-bias-swiglu-fusion"))
+            label = f"qwen3-tp{tp}-{mode}"
+            run, probes = _run(checkout, label, flags, nproc=tp, megapatch_env=env)
+            # printed (3 decimals) hides small differences: per-token losses, full-precision grad
+            # norms and the replicated parameters' gradients (the q/k norms' among them) too
+            printed[(mode, tp)] = (_trained(run, ITERS), _grad_norms(run), [r["loss"] for r in probes[0]],
+                                   _recorded_norms(checkout, label),
+                                   _recorded_norms(checkout, label, "replicated_grads"))
             assert len(printed[(mode, tp)][1]) == ITERS, run.tail()
+            # 2 layers x (input norm, q norm, k norm, pre-MLP norm) + the final norm: RMSNorm weights
+            assert len(printed[(mode, tp)][4][0]) == 2 * 4 + 1, printed[(mode, tp)][4]
     doctor = _doctor(flags, {"MEGAPATCH_TP_INVARIANT": "1"})  # flags the mode ran with: accepted
     assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
     assert printed[("invariant", 1)] == printed[("invariant", 2)]
@@ -321,10 +331,13 @@ def test_tp_invariant_grad_norms_over_pipeline_stages_are_tp_independent(checkou
         assert abs(float(invariant) - float(native)) <= 0.02 * float(native), printed
 
 
-def _recorded_norms(checkout, label):
+def _recorded_norms(checkout, label, field="grad_norm"):
+    """Rank 0's record at every clipped step: the grad norm, or (``replicated_grads``) digests of
+    the replicated parameters' gradients."""
     name, _, probe_root = checkout
     path = probe_root / name / label / "norms-rank0.jsonl"
-    return [float.fromhex(json.loads(line)["grad_norm"]) for line in path.read_text().splitlines()]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [float.fromhex(r["grad_norm"]) if field == "grad_norm" else r[field] for r in records]
 
 
 @pytest.mark.slow
@@ -363,22 +376,25 @@ def test_tp_invariant_distributed_optimizer_is_tp_independent(checkout):
 
 @pytest.mark.slow
 def test_a_refusal_reads_as_one_line_per_rank_before_the_first_step(checkout):
-    """Issue 19 item 6: what the mode refuses (here --qk-layernorm at TP=2) stops the job when the
-    model is built: the whole message once (rank 0), a short line on rank 1, no traceback through
-    the script's or megapatch's frames (it once printed three per rank), no iteration."""
+    """Issue 19 item 6: what the mode refuses (here --cross-entropy-loss-fusion at TP=2) stops the
+    job when the model is built: the whole message once (rank 0), a short line on rank 1, no
+    traceback through the script's or megapatch's frames (it once printed three per rank), no
+    iteration."""
+    from megapatch.patches.tp_invariant import _REFUSED_CONFIG
+
     _tp_invariant_revision(checkout)
-    run, _ = _run(checkout, "tp2-invariant-qk-layernorm",
-                  mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=("--qk-layernorm",)),
+    run, _ = _run(checkout, "tp2-invariant-cross-entropy-fusion",
+                  mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=("--cross-entropy-loss-fusion",)),
                   nproc=2, megapatch_env={"MEGAPATCH_TP_INVARIANT": "1"})
     assert run.returncode != 0 and not run.losses, run.tail()
-    full = ("megapatch: UnsupportedConfigurationError: megapatch tp_invariant=True does not support "
-            "qk_layernorm=True (Megatron-LM: --qk-layernorm): its weight gradient sums over the heads TP "
-            "splits, outside the fixed tree. tp_invariant was set by MEGAPATCH_TP_INVARIANT=1 in the "
-            "environment; unset MEGAPATCH_TP_INVARIANT to change it.")
+    _, flag, why = _REFUSED_CONFIG["cross_entropy_loss_fusion"]
+    full = (f"megapatch: UnsupportedConfigurationError: megapatch tp_invariant=True does not support "
+            f"cross_entropy_loss_fusion=True (Megatron-LM: {flag}): {why}. tp_invariant was set by "
+            f"MEGAPATCH_TP_INVARIANT=1 in the environment; unset MEGAPATCH_TP_INVARIANT to change it.")
     assert run.log.count(full) == 1, run.tail()
     short = [line for line in run.log.splitlines() if "(rank 1; the full message is on rank 0)" in line]
-    assert len(short) == 1 and "does not support qk_layernorm=True" in short[0], run.tail()
-    assert run.log.count("does not support qk_layernorm") == 2, run.tail()
+    assert len(short) == 1 and "does not support cross_entropy_loss_fusion=True" in short[0], run.tail()
+    assert run.log.count("does not support cross_entropy_loss_fusion") == 2, run.tail()
     # torchrun's own summary of the failed children remains (upstream); no rank prints a traceback
     assert "pretrain_gpt.py\", line" not in run.log and "tp_invariant.py\", line" not in run.log, run.tail()
 
@@ -659,7 +675,7 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
     refused, _ = _moe_run(checkout, 2, "tp_invariant")
     assert refused.returncode != 0 and not refused.losses, refused.tail()
     assert "megapatch tp_invariant=True does not support" in refused.log, refused.tail()
-    assert "--qk-layernorm" in refused.log or "--num-experts" in refused.log, refused.tail()
+    assert "--num-experts" in refused.log, refused.tail()
     runs = {
         "tp1-native": _moe_run(checkout, 1, "native"), "tp1-fp32": _moe_run(checkout, 1, "fp32"),
         "tp2-native": _moe_run(checkout, 2, "native"), "tp2-fp32": _moe_run(checkout, 2, "fp32"),

@@ -11,8 +11,8 @@ from megapatch.core.errors import UnsupportedConfigurationError
 
 from conftest import run_python
 
-MESSAGE = ("megapatch tp_invariant=True does not support qk_layernorm=True (Megatron-LM: --qk-layernorm): "
-           "its weight gradient sums over the heads TP splits, outside the fixed tree. tp_invariant was "
+MESSAGE = ("megapatch tp_invariant=True does not support num_moe_experts=8 (Megatron-LM: --num-experts): "
+           "expert layers are not covered by this mode yet. tp_invariant was "
            "set by MEGAPATCH_TP_INVARIANT=1 in the environment; unset MEGAPATCH_TP_INVARIANT to change it.")
 
 
@@ -23,7 +23,7 @@ def test_rank_0_prints_the_whole_message_on_one_line_and_the_others_a_short_one(
     other = rank_errors.lines(error, 7)
     assert other.count("\n") == 1 and other.endswith("(rank 7; the full message is on rank 0)\n")
     assert other.startswith("megapatch: UnsupportedConfigurationError: megapatch tp_invariant=True does "
-                            "not support qk_layernorm=True (Megatron-LM: --qk-layernorm)")
+                            "not support num_moe_experts=8 (Megatron-LM: --num-experts)")
     assert len(other) < len(first) and "unset MEGAPATCH_TP_INVARIANT" not in other
 
 

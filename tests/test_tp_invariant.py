@@ -33,7 +33,26 @@ MODELS = {
     # Qwen-shaped: the Llama layers plus a bias on the QKV projection only (add_qkv_bias)
     "qwen": dict(config=dict(hidden_size=64, num_attention_heads=8, num_query_groups=8,
                              ffn_hidden_size=128, add_qkv_bias=True), vocab=128, seq=16, llama=True),
+    # Qwen3-shaped (dense): the Llama layers plus QK RMSNorm (--qk-layernorm); 16 query heads, 2 per
+    # leaf of the norm's gradient tree, 8 KV groups, 1 per leaf
+    "qwen3": dict(config=dict(hidden_size=128, num_attention_heads=16, num_query_groups=8,
+                              ffn_hidden_size=192, qk_layernorm=True), vocab=128, seq=16, llama=True),
 }
+
+
+def _sum_qk_norm_grads_over_tp(ctx, model):
+    """What megatron-core's ``finalize_model_grads`` does with ``--qk-layernorm`` (this harness
+    trains without its DDP wrapper): the q/k norm weights' gradients, found by name, summed over
+    the TP group (``_allreduce_non_tensor_model_parallel_grads``, core_v0.16.1). Each TP rank's
+    backward sums only its own heads."""
+    from megatron.core import parallel_state
+
+    if ctx.tp_size == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for name, param in model.named_parameters():
+        if ("q_layernorm" in name or "k_layernorm" in name) and param.grad is not None:
+            torch.distributed.all_reduce(param.grad, group=group)
 
 
 def _model(ctx, shape, **overrides):
@@ -64,6 +83,7 @@ def _forward_backward(ctx, model, shape):
         logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
     loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
     loss.float().mean().backward()
+    _sum_qk_norm_grads_over_tp(ctx, model)
     return {"logits": gather_tp_logits(logits, ctx).float(), "loss": loss.detach().float(),
             "grads": gather_full_grads(model, ctx)}
 
@@ -83,6 +103,7 @@ def _train(ctx, shape):
             batch = _batch(shape, step)
             model(batch.tokens, batch.position_ids, batch.attention_mask,
                   labels=batch.labels).float().mean().backward()
+            _sum_qk_norm_grads_over_tp(ctx, model)
         with cuda_type_names():
             ok, norm, _ = optimizer.step()
         assert ok
@@ -121,7 +142,8 @@ def _refusal(ctx, shape, **overrides):
 
 #: what the mode refuses, built at TP 2: (model, config overrides, what the message must name)
 REFUSED = {
-    "qk_layernorm": ("tiny", dict(qk_layernorm=True), "--qk-layernorm"),
+    "num_attention_heads": ("tiny", dict(qk_layernorm=True, num_attention_heads=12, hidden_size=96),
+                            "--num-attention-heads"),  # QK norm: W=8 neither divides 12 nor is a multiple of it
     "bias_activation_fusion": ("tiny", dict(bias_activation_fusion=True), "--no-bias-gelu-fusion"),
     "num_query_groups": ("llama", dict(num_query_groups=1), "--num-query-groups"),
     "cross_entropy_loss_fusion": ("tiny", dict(cross_entropy_loss_fusion=True), "--cross-entropy-loss-fusion"),
@@ -480,6 +502,46 @@ def test_tree_sum_adds_adjacent_pairs_level_by_level():
     assert torch.equal(invariant_sum(parts, None), expected)
     with pytest.raises(ValueError, match="power-of-two"):
         tree_sum(parts[:3])
+
+
+@pytest.mark.quick("tp_invariant.layers")
+@pytest.mark.parametrize("heads", [16, 8, 2])
+def test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size(heads):
+    """A QK norm's weight gradient on TP rank r covers heads [r n/t, (r+1) n/t) of the model's n.
+    Its W = 8 leaves (``block_tree._head_leaves``): n/W heads each (n = 16, 8), or one head then
+    W/n - 1 zero leaves (n = 2). Planted leaf totals (+-2^24, 1, 3) whose FP32 sum depends on the
+    order: the ranks' leaves, in rank order, must add up to the fixed tree over the model's
+    leaves, computed here from an exact (FP64) sum per leaf, at every TP size the heads allow."""
+    from megapatch.numerics.block_tree import _head_leaves, tree_sum
+
+    w, s, b, d = 8, 4, 2, 3
+    per_leaf = max(heads // w, 1)
+    totals = [2.0 ** 24, 1.0, 1.0, -(2.0 ** 24), 3.0, 1.0, -3.0, 1.0][: min(heads, w)]
+    grad = torch.zeros(s, b, heads, d, dtype=torch.bfloat16)
+    factor = torch.ones(s, b, heads, d)
+    for leaf, total in enumerate(totals):  # split over the leaf's heads and two tokens, exactly
+        for head in range(leaf * per_leaf, (leaf + 1) * per_leaf):
+            grad[1, 0, head] = grad[3, 1, head] = total / (2 * per_leaf)
+    exact = [grad[:, :, i * per_leaf:(i + 1) * per_leaf].double().sum(dim=(0, 1, 2)).float()
+             for i in range(len(totals))]
+    leaves = [part for leaf in exact for part in [leaf] + [torch.zeros(d)] * (w // len(totals) - 1)]
+    oracle = tree_sum(leaves)
+    if len(exact) > 2:  # (two leaves add the same in any order)
+        assert not torch.equal(oracle, sum(exact[1:], exact[0])), "the order must matter for this test"
+    for t in (t for t in (1, 2, 4, 8) if heads % t == 0):
+        n = heads // t
+        ranks = [_head_leaves(grad[:, :, r * n:(r + 1) * n], factor[:, :, r * n:(r + 1) * n], w // t)
+                 for r in range(t)]
+        assert all(len(mine) == w // t for mine in ranks)
+        assert torch.equal(tree_sum([leaf for mine in ranks for leaf in mine]), oracle), (heads, t)
+
+
+def test_a_qk_norm_whose_head_count_the_width_cannot_cut_is_refused_naming_both():
+    from megapatch.core.errors import OptionError
+    from megapatch.numerics.block_tree import _head_leaves
+
+    with pytest.raises(OptionError, match="12 heads per rank.*tp_invariant_width=8"):
+        _head_leaves(torch.zeros(2, 1, 12, 4), None, 8)
 
 
 class _Group:

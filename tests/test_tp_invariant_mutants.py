@@ -188,7 +188,6 @@ def _config(**overrides):
 
 
 @pytest.mark.parametrize("field,value,flag", [
-    ("qk_layernorm", True, "--qk-layernorm"),
     ("gradient_accumulation_fusion", True, "--no-gradient-accumulation-fusion"),
     ("bias_activation_fusion", True, "--no-bias-gelu-fusion"),  # a GELU model: its flag only
     ("use_te_activation_func", True, "--use-te-activation-func"),
@@ -208,6 +207,25 @@ def test_each_uncovered_config_field_is_refused_alone(invariant, field, value, f
     with pytest.raises(UnsupportedConfigurationError, match=f"does not support {field}"):
         patch._check_config(_config(**{field: value}))
     assert flag in patch._preflight_model(_config(**{field: value}))
+
+
+@pytest.mark.quick("tp_invariant.construction")
+def test_qk_layernorm_is_accepted_where_the_width_cuts_its_heads_and_refused_naming_the_count(invariant):
+    """QK norm gradients sum over heads as W leaves: W must divide the head (and KV group) count or
+    be a multiple of it (W = 8 here)."""
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    for heads, groups in ((4, None), (16, 8), (16, 2), (8, 4)):
+        config = _config(qk_layernorm=True, num_attention_heads=heads, num_query_groups=groups)
+        assert patch._config_refusals(config) == [], (heads, groups)
+    for heads, groups, flag in ((12, 4, "--num-attention-heads"), (16, 6, "--num-query-groups")):
+        config = _config(qk_layernorm=True, num_attention_heads=heads, num_query_groups=groups)
+        [(what, why)] = patch._config_refusals(config)
+        assert flag in what and "--qk-layernorm" in what and "W=8" in why, (what, why)
+        with pytest.raises(UnsupportedConfigurationError, match=flag):
+            patch._check_config(config)
+        assert flag in patch._preflight_model(config)
 
 
 def test_kv_groups_equal_to_the_tp_size_and_heads_as_groups_are_accepted(invariant):

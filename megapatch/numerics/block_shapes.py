@@ -76,6 +76,25 @@ def _split_dimensions(config, seq_length: Optional[int] = None) -> List[Tuple[st
     return found
 
 
+def qk_norm_refusals(config) -> List[Refusal]:
+    """With QK layernorm, the heads (query norm) and KV groups (key norm) whose count W neither
+    divides nor is a multiple of: each norm's weight gradient sums over them as W leaves of the
+    fixed tree (``block_tree._head_leaves``)."""
+    if not getattr(config, "qk_layernorm", False):
+        return []
+    w, found = width(), []
+    heads = getattr(config, "num_attention_heads", None)
+    groups = getattr(config, "num_query_groups", None) or heads
+    for what, count, flag in ((f"num_attention_heads={heads}", heads, "--num-attention-heads"),
+                              (f"num_query_groups={groups}", groups, "--num-query-groups")):
+        if count and count % w and w % count:
+            found.append((f"{what} ({flag}) with --qk-layernorm",
+                          f"the QK norm's weight gradient sums over the heads TP splits as W blocks, so W must "
+                          f"divide the count or be a multiple of it, and {_width()} is neither: change {flag} "
+                          f"or the width"))
+    return found
+
+
 def shape_refusals(config, seq_length: Optional[int] = None) -> List[Refusal]:
     """The TP size against the width, then every split dimension the width does not divide
     (``seq_length``: the sequence's length where ``config`` has none, else None)."""
@@ -92,7 +111,7 @@ def shape_refusals(config, seq_length: Optional[int] = None) -> List[Refusal]:
             found.append((what, f"every dimension TP splits is cut into W equal blocks, and {_width()} does "
                                 f"not divide {size}: change {flag} to a multiple of {w}, or use a width "
                                 f"that fits this model at TP={tp}: {fits}"))
-    return found
+    return found + qk_norm_refusals(config)
 
 
 _NULL_TOKENIZERS = ("NullTokenizer",)  # their vocabulary is --vocab-size plus one EOD token

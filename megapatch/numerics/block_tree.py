@@ -284,33 +284,67 @@ class ScatterSequence(torch.autograd.Function):
 
 
 def _token_tree(grad: torch.Tensor, factor: Optional[torch.Tensor], group, nb: int,
-                split: bool) -> torch.Tensor:
+                split: bool, heads: bool = False) -> torch.Tensor:
     """sum over tokens of ``grad`` (times ``factor``) per feature, as ``nb`` blocks of consecutive
     sequence positions (rows of the [s, b, h] layout flattened to [s * b, h]) with FP32 sums, added
     in the fixed tree -- across ``group`` when ``split`` (sequence parallelism: this rank's tokens
-    are W/t consecutive blocks). With ``split`` rank 0 returns the total and the others zeros:
-    upstream all-reduces sequence-parallel gradients over TP, and one value plus zeros is exact."""
-    g2 = grad.reshape(-1, grad.shape[-1])
-    f2 = None if factor is None else factor.reshape(-1, factor.shape[-1])
-    parts = []
-    for sl in _slices(g2.shape[0], nb):
-        block = f32(g2[sl]) if f2 is None else f32(g2[sl]) * f32(f2[sl])
-        parts.append(block.sum(dim=0))
-    total = invariant_sum(parts, group if split else None)
-    if split and group.rank() != 0:
+    are W/t consecutive blocks). ``heads``: a QK norm's ``[s, b, n, d]``, summed over tokens and
+    this rank's heads as ``_head_leaves`` blocks them, always across ``group`` (TP splits the
+    heads). Across the group rank 0 returns the total and the others zeros: upstream all-reduces
+    sequence-parallel and QK-norm gradients over TP (``finalize_model_grads``), and one value plus
+    zeros is exact."""
+    if heads:
+        parts = _head_leaves(grad, factor, nb)
+    else:
+        g2 = grad.reshape(-1, grad.shape[-1])
+        f2 = None if factor is None else factor.reshape(-1, factor.shape[-1])
+        parts = [(f32(g2[sl]) if f2 is None else f32(g2[sl]) * f32(f2[sl])).sum(dim=0)
+                 for sl in _slices(g2.shape[0], nb)]
+    across = split or heads
+    total = invariant_sum(parts, group if across else None)
+    if across and group is not None and group.rank() != 0:
         total = torch.zeros_like(total)
     return total
+
+
+def _head_leaves(grad: torch.Tensor, factor: Optional[torch.Tensor], nb: int) -> List[torch.Tensor]:
+    """A QK norm's weight (or bias) gradient on this rank, ``nb`` = W/t leaves of the fixed tree.
+    ``grad``: ``[s, b, n, d]``, n this rank's heads (query) or KV groups (key): n/t of the model's,
+    a contiguous run of its head order. The model's heads fall into W leaves: n/W consecutive heads
+    each where W divides n (the same heads, so the same sums, at every TP size); where n divides
+    W, one head each followed by W/n - 1 zero leaves (adding zeros is exact: the tree over W leaves
+    is then the tree over the n heads). Other head counts are refused when the model is built
+    (``block_shapes.qk_norm_refusals``)."""
+    s, b, n, d = grad.shape
+    g = grad.reshape(s * b, n, d)
+    f = None if factor is None else factor.reshape(s * b, n, d)
+
+    def leaf(heads: slice) -> torch.Tensor:
+        block = f32(g[:, heads]) if f is None else f32(g[:, heads]) * f32(f[:, heads])
+        return block.reshape(-1, d).sum(dim=0)
+
+    if n % nb == 0:
+        per = n // nb
+        return [leaf(slice(i * per, (i + 1) * per)) for i in range(nb)]
+    if nb % n == 0:
+        zero = torch.zeros(d, dtype=torch.float32, device=grad.device)
+        return [part for h in range(n) for part in [leaf(slice(h, h + 1))] + [zero] * (nb // n - 1)]
+    raise OptionError(
+        f"megapatch tp_invariant: a QK norm over {n} heads per rank cannot be cut into "
+        f"{WIDTH_OPTION}={width()} ({state.origin(WIDTH_OPTION)}) blocks: W must divide the model's head "
+        f"count or be a multiple of it")
 
 
 class TokenBlockedAffine(torch.autograd.Function):
     """A norm layer's affine part, ``normalised * weight (+ bias)`` in FP32 rounded once to
     ``out_dtype`` (``normalised``: the FP32 output of the norm without affine). The weight and bias
-    gradients, sums over tokens, follow ``_token_tree``; the gradient of ``normalised`` is per token."""
+    gradients, sums over tokens (``heads``: and over a QK norm's heads), follow ``_token_tree``;
+    the gradient of ``normalised`` is per token."""
 
     @staticmethod
-    def forward(ctx, normalised, weight, bias, group, nb, split, out_dtype):
+    def forward(ctx, normalised, weight, bias, group, nb, split, out_dtype, heads=False):
         ctx.save_for_backward(normalised, weight)
-        ctx.has_bias, ctx.group, ctx.nb, ctx.split = bias is not None, group, nb, split
+        ctx.has_bias, ctx.group, ctx.nb, ctx.split, ctx.heads = bias is not None, group, nb, split, heads
         out = normalised * weight.float()
         if bias is not None:
             out = out + bias.float()
@@ -320,9 +354,10 @@ class TokenBlockedAffine(torch.autograd.Function):
     def backward(ctx, grad):
         normalised, weight = ctx.saved_tensors
         dnormalised = grad.float() * weight.float() if ctx.needs_input_grad[0] else None
-        dweight = _token_tree(grad, normalised, ctx.group, ctx.nb, ctx.split).to(weight.dtype)
-        dbias = _token_tree(grad, None, ctx.group, ctx.nb, ctx.split).to(weight.dtype) if ctx.has_bias else None
-        return dnormalised, dweight, dbias, None, None, None, None
+        dweight = _token_tree(grad, normalised, ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype)
+        dbias = (_token_tree(grad, None, ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype)
+                 if ctx.has_bias else None)
+        return dnormalised, dweight, dbias, None, None, None, None, None
 
 
 class TokenBlockedBias(torch.autograd.Function):

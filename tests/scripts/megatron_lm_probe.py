@@ -3,8 +3,8 @@ megatron's vocab-parallel cross entropy (the loss of Megatron-LM's ``loss_func``
 
 Each call appends ``{"dtype": <logits dtype>, "loss": <sha256 of the per-token losses>, "values":
 <those losses as float hex>}`` to
-``$MEGATRON_LM_PROBE_DIR/rank<RANK>.jsonl``, and each clipped step its total grad norm to
-``norms-rank<RANK>.jsonl``. It only reads tensors; numerics are unchanged.
+``$MEGATRON_LM_PROBE_DIR/rank<RANK>.jsonl``, and each clipped step its total grad norm (and digests of
+the replicated parameters' gradients) to ``norms-rank<RANK>.jsonl``. It only reads tensors; numerics are unchanged.
 """
 
 import hashlib
@@ -35,12 +35,17 @@ def _record_cross_entropy(module):
 
 def _record_grad_norm(module):
     """The total grad norm where clipping reads it, at full precision (the log prints 3 decimals),
-    to ``norms-rank<RANK>.jsonl``."""
+    and a digest of each replicated parameter's gradient (norms, QK norms: not TP-split, so the
+    same tensor at every TP size; in the optimizer's parameter order), to ``norms-rank<RANK>.jsonl``."""
     original = module.clip_grad_by_total_norm_fp32
 
     def clip(parameters, max_norm, total_norm, *args, **kwargs):
+        parameters = parameters if isinstance(parameters, list) else list(parameters)
+        replicated = [hashlib.sha256(p.grad.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+                      for p in parameters
+                      if getattr(p, "grad", None) is not None and not getattr(p, "tensor_model_parallel", False)]
         with open(NORMS, "a") as out:
-            out.write(json.dumps({"grad_norm": float(total_norm).hex()}) + "\n")
+            out.write(json.dumps({"grad_norm": float(total_norm).hex(), "replicated_grads": replicated}) + "\n")
         return original(parameters, max_norm, total_norm, *args, **kwargs)
 
     module.clip_grad_by_total_norm_fp32 = clip  # the name optimizer.py calls
