@@ -80,6 +80,13 @@ def _train_logprobs(ctx, tp, sequences):
     mask = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1).expand(len(sequences), 1, n, n)
     with torch.no_grad():
         logits = gather_tp_logits(model(tokens, position_ids, mask.contiguous()), ctx)[:, :-1]
+    return trainer_logprobs(logits, tokens)
+
+
+def trainer_logprobs(logits, tokens):
+    """From the trainer's logits at positions 0..n-2 of ``tokens``: log-probs of tokens 1..n-1
+    with Megatron RL's arithmetic (FP32 logits: ``x - logsumexp``; else log_softmax), the same
+    with the engine's (log_softmax of the logits upcast to FP32), the argmax, and the logits dtype."""
     labels = tokens[:, 1:]
     if logits.dtype == torch.float32:
         logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from rl_logprob_gap import PROMPT_LEN, _fmt, _ratio, _stats  # noqa: E402  (_stats reads PROMPT_LEN)
+from rl_logprob_gap import PROMPT_LEN, _fmt, _ratio, _stats, trainer_logprobs  # noqa: E402  (_stats reads PROMPT_LEN)
 
 MODES = {
     "native": {},
@@ -154,13 +154,7 @@ def _train(ctx, tp: int, ep: int, sequences, replay):
                 handle.remove()
         own_topk = [m.nonzero()[:, 1].view(m.shape[0], -1) for m in replayed]  # what the replay routed
     logits = gather_tp_logits(logits)[:, :-1]  # over megatron's current TP group
-    labels = tokens[:, 1:]
-    if logits.dtype == torch.float32:
-        logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    else:
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    engine_logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return (logp.float(), logits.float().argmax(-1), str(logits.dtype), engine_logp), own_topk
+    return trainer_logprobs(logits, tokens), own_topk
 
 
 def _changed_choices(own_topk, recorded, batch: int, n: int) -> float:

@@ -585,13 +585,13 @@ def test_launcher_stand_ins_restore_everything_and_only_report_types():
 
     result = run_python("""
         import torch
-        from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
+        from megapatch.testing.stand_ins.cpu_compat import CpuSideStream, cpu_workarounds
         from megapatch.testing.stand_ins.megatron_lm_compat import megatron_lm_workarounds, WORKAROUNDS
         names = [w.attr for w in WORKAROUNDS if w.module == "torch.cuda"]
         before = {n: getattr(torch.cuda, n) for n in names}
         x = torch.ones(2, dtype=torch.bfloat16)
         with megatron_lm_workarounds(), cpu_workarounds():
-            assert torch.cuda.Stream is torch.cpu.Stream
+            assert torch.cuda.Stream is CpuSideStream  # whose record_event returns an event (MoE dispatcher)
             assert x.type() == "torch.cuda.BFloat16Tensor", x.type()
             assert x.type(torch.float32).dtype == torch.float32
             torch.cuda.set_rng_state(torch.cuda.get_rng_state())

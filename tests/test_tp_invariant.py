@@ -504,7 +504,7 @@ def test_tree_sum_adds_adjacent_pairs_level_by_level():
         tree_sum(parts[:3])
 
 
-@pytest.mark.quick("tp_invariant.layers")
+@pytest.mark.quick("tp_invariant.construction")
 @pytest.mark.parametrize("heads", [16, 8, 2])
 def test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size(heads):
     """A QK norm's weight gradient on TP rank r covers heads [r n/t, (r+1) n/t) of the model's n.
