@@ -267,6 +267,25 @@ def test_misspelled_variables_are_reported_with_the_closest_name(monkeypatch, ca
     assert len(warned) == 1 and "did you mean MEGAPATCH_TP_REDUCE_DTYPE?" in warned[0]
 
 
+def test_our_wrapper_is_found_beneath_63_others_and_a_looping_chain_ends_the_search():
+    """``find_megapatch_wrapper`` follows a ``__wrapped__`` chain for 64 objects: ours beneath 63
+    third-party wrappers is still found (so re-enabling adopts it instead of wrapping twice), and a
+    chain that loops back on itself ends the search instead of hanging."""
+    megapatch.enable(tp_reduce_dtype="fp32")
+    ours = mappings._reduce
+    top = ours
+    for _ in range(63):
+        top = wrapt.FunctionWrapper(top, _passthrough)
+    assert wrappers.find_megapatch_wrapper(top) is ours
+
+    class Loop:
+        pass
+
+    loop = Loop()
+    loop.__wrapped__ = loop
+    assert wrappers.find_megapatch_wrapper(loop) is None
+
+
 # -- 8. from-import aliases and pickling -----------------------------------------------------
 
 def test_alias_held_in_main_is_rebound_and_restored():
@@ -351,6 +370,17 @@ def test_unknown_patch_name_is_refused_with_the_valid_names(monkeypatch):
     assert not megapatch.is_enabled()
 
 
+def test_an_unknown_patch_name_given_to_enable_is_named_as_its_argument():
+    """The refusal names where the value came from: ``skip_patches`` of ``enable()``, not the
+    variable (mutation sample 29: the origin test ``== "enable()"`` had no test)."""
+    with pytest.raises(OptionError) as err:
+        megapatch.enable(tp_reduce_dtype="fp32", skip_patches="tp_reduce.transformer_engin")
+    message = str(err.value)
+    assert message.startswith("skip_patches='tp_reduce.transformer_engin' names unknown megapatch patch"), message
+    assert "MEGAPATCH_SKIP_PATCHES" not in message
+    assert not megapatch.is_enabled()
+
+
 def test_opting_out_every_patch_of_a_requested_option_is_refused():
     with pytest.raises(OptionError, match="every patch serving it is opted out") as err:
         megapatch.enable(tp_reduce_dtype="fp32",
@@ -402,6 +432,48 @@ def test_activation_line_goes_to_the_applications_handlers_once_it_has_some():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("APP megapatch megapatch enabled:") == 1
     assert "megapatch enabled:" not in result.stderr  # no duplicate through a handler of ours
+
+
+def test_a_rank_variable_that_is_not_a_number_counts_as_rank_zero(monkeypatch, caplog):
+    """No process group and ``RANK`` not an integer: rank 0 (the line is logged), never an error
+    out of ``enable()``."""
+    monkeypatch.setenv("RANK", "worker-3")
+    with caplog.at_level(logging.INFO, logger="megapatch"):
+        megapatch.enable(tp_reduce_dtype="fp32")
+    assert [m for m in _megapatch_lines(caplog) if m.startswith("megapatch enabled:")]
+
+
+def test_the_activation_line_gives_each_patch_that_is_not_active_its_reason(monkeypatch, caplog):
+    from megapatch.core import report
+
+    def _reduce(tensor, process_group):  # an upstream whose surface changed: skipped (strict=False)
+        return tensor
+
+    monkeypatch.setattr(mappings, "_reduce", _reduce)
+    monkeypatch.setattr(report, "_said", set())  # the skip's once-per-process warning: not used up here
+    with caplog.at_level(logging.INFO, logger="megapatch"):
+        megapatch.enable(tp_reduce_dtype="fp32", strict=False, skip_patches="tp_reduce.transformer_engine")
+    [line] = [m for m in _megapatch_lines(caplog) if m.startswith("megapatch enabled:")]
+    assert "opted-out: tp_reduce.transformer_engine (left out on purpose: skip_patches from enable())" in line
+    assert ("skipped: tp_reduce.megatron_core (megatron.core.tensor_parallel.mappings._reduce takes "
+            "(tensor, process_group)") in line, line
+
+
+def test_the_level_megapatch_set_is_undone_once_the_application_configures_logging():
+    """With no handler anywhere megapatch shows its INFO lines itself (its handler, level INFO on its
+    logger); once the application configures logging, both go and the application's level rules."""
+    result = run_python("""
+        import logging, sys, megapatch
+        megapatch.enable(tp_reduce_dtype='fp32')
+        assert logging.getLogger("megapatch").level == logging.INFO
+        logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="APP %(name)s %(message)s")
+        megapatch.enable(logits_dtype='fp32')  # another activation line, at INFO
+        print("LEVEL", logging.getLogger("megapatch").level)
+    """, fresh=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("megapatch enabled:") == 1  # the first, through megapatch's handler
+    assert "megapatch enabled:" not in result.stdout  # INFO is below the application's WARNING
+    assert "LEVEL 0" in result.stdout  # NOTSET again: the level is the application's
 
 
 def test_fp8_pass_through_is_logged_once(caplog):

@@ -1,5 +1,6 @@
 """enable / reconfigure / disable: idempotent, reversible, aliases included, surface-checked."""
 
+import dataclasses
 import inspect
 import json
 import sys
@@ -136,6 +137,37 @@ def test_status_prints_a_table_and_serialises():
     assert "tp_reduce.megatron_core" in text and "active" in text
     assert "megatron.core.tensor_parallel.layers.RowParallelLinear.forward" in text
     json.dumps(status.as_dict())
+
+
+def test_status_and_its_patch_reports_are_snapshots_that_cannot_be_assigned_to():
+    status = megapatch.enable(tp_reduce_dtype="fp32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        status.enabled = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        status.patch("tp_reduce.megatron_core").state = "inactive"
+
+
+def test_an_upstream_attribute_of_another_kind_is_refused_naming_both_kinds(monkeypatch):
+    """Same name and parameters, another kind (a method turned staticmethod, a staticmethod turned
+    method): called differently, so refused whichever way the kind changed."""
+    row_forward = ORIGINALS["row_forward"]
+
+    def forward(self, input_):
+        return row_forward(self, input_)
+
+    def backward(ctx, grad_output):
+        return ORIGINALS["backward"].__func__(ctx, grad_output)
+
+    cases = ((layers.RowParallelLinear, "forward", staticmethod(forward), "staticmethod", "method"),
+             (layers.LinearWithFrozenWeight, "backward", backward, "method", "staticmethod"))
+    for owner, name, raw, found, expected in cases:
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, raw)
+            with pytest.raises(UpstreamSurfaceError) as err:
+                megapatch.enable(tp_reduce_dtype="fp32")
+            assert f"{owner.__name__}.{name} is a {found}, expected a {expected}" in str(err.value)
+            assert not megapatch.is_enabled()
+    assert_pristine()
 
 
 # -- import / enable / disable orderings, each in a fresh interpreter --------------------------

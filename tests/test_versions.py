@@ -33,6 +33,19 @@ def test_not_imported_reads_the_file_import_would_load(monkeypatch):
     assert "megatron.core" not in sys.modules  # found without importing it
 
 
+def test_megatron_core_imported_before_its_version_module_is_read_from_that_module(monkeypatch):
+    """``megatron.core`` imported, ``megatron.core.package_info`` not loaded yet (as while
+    ``megatron/core/__init__.py`` is still importing, before the module that loads it): the version
+    is read from the module import loads (plain constants), not from a file or metadata."""
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "package_info", megatron.core.package_info)  # put back after
+    monkeypatch.delitem(sys.modules, "megatron.core.package_info")
+    assert upstream_versions.version_info("megatron-core") == (importlib.metadata.version("megatron-core"),
+                                                               "imported megatron.core.package_info")
+    assert "megatron.core.package_info" in sys.modules
+
+
 @pytest.mark.parametrize("version, specifier, inside", [
     ("2.8.0a0+nv25.5", ">=2.4", True),      # an NGC torch: pre-release, local build
     ("0.12.3", ">=0.13,<0.21", False),

@@ -27,7 +27,9 @@ MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits
          patches/tp_reduce_megatron_core.py patches/cross_rank.py megapatch/numerics/fp32_collectives.py
          megapatch/numerics/fp32_gemm.py megapatch/numerics/fp32_output_linear.py megapatch/core/cross_rank.py
          patches/logits_fp32_inference.py patches/fp8_align_transposes.py megapatch/te_check/verdict.py
-         megapatch/core/startup.py megapatch/numerics/block_shapes.py megapatch/core/options.py)
+         megapatch/core/startup.py megapatch/numerics/block_shapes.py megapatch/core/options.py
+         patches/tp_reduce_moe.py megapatch/core/engine.py megapatch/core/wrappers.py megapatch/core/surface.py
+         megapatch/core/upstream_versions.py megapatch/core/report.py)
 [ $# -gt 0 ] && MODULES=("$@")
 
 tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout

@@ -138,6 +138,86 @@ case $module in
     "$T/test_integrations_nemo_run.py::test_setup_adds_the_variables_and_keeps_the_executors_own"
     "$T/test_integrations_nemo_run.py::test_invalid_value_fails_when_the_plugin_is_built"
     "$T/test_startup_hook.py") ;;
+  patches/tp_reduce_moe.py) tests=(
+    "$T/test_moe.py::test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute"
+    "$T/test_moe.py::test_status_names_the_moe_paths_covered_and_refused"
+    "$T/test_moe.py::test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it"
+    "$T/test_hardening_engine.py::test_skip_patches_argument_removes_an_installed_patch"
+    "$T/test_hardening_engine.py::test_opting_out_every_patch_of_a_requested_option_is_refused"
+    "$T/test_moe.py::test_moe_paths_fp32_does_not_reach_are_refused_at_construction_naming_the_flag"
+    "$T/test_moe.py::test_fp32_keeps_expert_partials_fp32_into_the_dispatcher_and_rounds_once_at_the_layer"
+    "$T/test_moe.py::test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does"
+    "$T/test_moe.py::test_fp32_moe_sums_make_tp_and_ep_sizes_agree_and_keep_every_expert_choice"
+    "$T/test_logits_fp32_inference.py::test_fp32_logits_survive_every_inference_path_of_an_moe_model"
+    "$T/test_logits_fp32_dynamic_inference.py::test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs[moe-tp2]") ;;
+  megapatch/core/engine.py) tests=(
+    "$T/test_hardening_engine.py"
+    "$T/test_lifecycle.py"
+    "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
+    "$T/test_versions.py::test_status_shows_each_patchs_range"
+    "$T/test_rank_errors.py::test_enable_installs_the_hook_and_disable_restores_the_one_before"
+    "$T/test_cross_rank.py::test_reconfigured_forgets_verified_groups_and_arms_the_first_call_check"
+    "$T/test_doctor.py::test_doctor_exit_1_when_a_requested_patch_cannot_apply"
+    "$T/test_doctor.py::test_an_exception_from_a_probe_becomes_a_row"
+    "$T/test_doctor.py::test_an_exception_from_a_backend_probe_or_applies_becomes_a_row"
+    "$T/test_doctor.py::test_the_preflight_leaves_out_patches_the_user_opted_out_of"
+    "$T/test_activation.py::test_disable_variable_wins_over_requests"
+    "$T/test_activation.py::test_explicit_enable_in_the_script_wins_over_the_environment"
+    "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch"
+    "$T/test_cross_rank.py::test_a_native_or_switched_off_rank_is_named_at_once_in_the_megatron_lm_order") ;;
+  megapatch/core/wrappers.py) tests=(
+    "$T/test_hardening_engine.py::test_wrapped_functions_pickle_and_copy_like_stock"
+    "$T/test_hardening_engine.py::test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable"
+    "$T/test_hardening_engine.py::test_torch_collective_alias_taken_while_enabled_is_restored_by_disable"
+    "$T/test_lifecycle.py"
+    "$T/test_hardening_engine.py"
+    "$T/test_tp_reduce_megatron_core.py::test_only_the_tp_layers_reduce_scatter_is_wrapped_not_torchs_function_elsewhere"
+    "$T/test_logits_fp32_inference.py::test_only_the_controllers_logits_broadcast_is_wrapped_not_the_shared_function"
+    "$T/test_cross_rank.py::test_reconfigured_forgets_verified_groups_and_arms_the_first_call_check"
+    "$T/test_cross_rank.py::test_different_settings_in_one_tp_group_are_refused"
+    "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch"
+    "$T/test_activation.py::test_disable_variable_wins_over_requests") ;;
+  megapatch/core/surface.py) tests=(
+    "$T/test_lifecycle.py::test_changed_upstream_surface_is_refused_in_strict_mode"
+    "$T/test_lifecycle.py::test_changed_upstream_surface_is_skipped_with_a_warning_when_not_strict"
+    "$T/test_lifecycle.py::test_missing_upstream_symbol_names_the_path"
+    "$T/test_surface_lock.py"
+    "$T/test_lifecycle.py"
+    "$T/test_hardening_engine.py"
+    "$T/test_doctor.py::test_doctor_exit_1_when_a_requested_patch_cannot_apply"
+    "$T/test_doctor.py::test_doctor_reports_and_exits_1_when_strict_activation_meets_a_changed_upstream"
+    "$T/test_doctor.py::test_doctor_json_and_status_json_on_a_changed_upstream") ;;
+  megapatch/core/upstream_versions.py) tests=(
+    "$T/test_versions.py"
+    "$T/test_bridge.py::test_a_bridge_version_outside_the_tested_range_warns_once_naming_both"
+    "$T/test_tp_invariant.py::test_releases_before_the_verified_one_are_refused_naming_both"
+    "$T/test_integrations_nemo_run.py::test_the_installed_nemo_run_is_a_tested_version"
+    "$T/test_integrations_nemo_run.py::test_an_untested_nemo_run_version_warns_once_naming_both"
+    "$T/test_surface_lock.py::test_installed_megatron_core_matches_its_lock"
+    "$T/test_lifecycle.py::test_status_prints_a_table_and_serialises"
+    "$T/test_hardening_engine.py::test_one_activation_line_with_settings_sources_and_patches"
+    "$T/test_doctor.py::test_doctor_reports_versions_and_patches"
+    "$T/test_install.py::test_versions_are_those_of_the_modules_in_use"
+    "$T/test_install.py::test_doctor_reports_the_megatron_core_of_the_checkout") ;;
+  megapatch/core/report.py) tests=(
+    "$T/test_hardening_engine.py::test_one_activation_line_with_settings_sources_and_patches"
+    "$T/test_hardening_engine.py::test_activation_line_only_on_rank_zero"
+    "$T/test_hardening_engine.py::test_fp8_pass_through_is_logged_once"
+    "$T/test_hardening_engine.py::test_misspelled_variables_are_reported_with_the_closest_name"
+    "$T/test_hardening_engine.py::test_status_serialises_with_the_new_options"
+    "$T/test_hardening_engine.py::test_a_rank_variable_that_is_not_a_number_counts_as_rank_zero"
+    "$T/test_hardening_engine.py::test_the_activation_line_gives_each_patch_that_is_not_active_its_reason"
+    "$T/test_lifecycle.py::test_status_prints_a_table_and_serialises"
+    "$T/test_lifecycle.py::test_status_and_its_patch_reports_are_snapshots_that_cannot_be_assigned_to"
+    "$T/test_lifecycle.py::test_changed_upstream_surface_is_skipped_with_a_warning_when_not_strict"
+    "$T/test_versions.py::test_status_shows_each_patchs_range"
+    "$T/test_rank_errors.py"
+    "$T/test_hardening_engine.py::test_activation_line_reaches_stderr_without_any_logging_configuration"
+    "$T/test_hardening_engine.py::test_activation_line_goes_to_the_applications_handlers_once_it_has_some"
+    "$T/test_hardening_engine.py::test_the_level_megapatch_set_is_undone_once_the_application_configures_logging"
+    "$T/test_doctor.py::test_status_and_doctor_do_not_print_the_activation_line"
+    "$T/test_doctor.py::test_doctor_reports_versions_and_patches"
+    "$T/test_worker_processes.py") ;;
   *) echo "no tests listed for $module in $0" >&2; exit 2 ;;
 esac
 "$PYTHON" -m pytest -x -q -p no:cacheprovider --timeout=600 "${tests[@]}" || exit
