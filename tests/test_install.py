@@ -10,7 +10,8 @@
   (or ``python -m megapatch.commands.launcher``) still activates megapatch in the command's Python processes.
 
 Needs the build backend (hatchling, fetched by pip's build isolation) to build the wheel, and the
-Megatron-LM tarballs in ``<repo>/../shared/megatron-lm/`` for the checkout; skips, saying which,
+Megatron-LM tarballs in ``$MEGATRON_LM_TARBALLS`` or ``<repo>/../shared/megatron-lm/`` for the checkout (as
+tests/conftest.py reads them); skips, saying which,
 when either is missing.
 """
 
@@ -32,7 +33,7 @@ import pytest
 from conftest import REPO
 
 FAKE_TORCH = "2.8.0a0+nv25.5"
-TARBALLS = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm")
+TARBALLS = os.environ.get("MEGATRON_LM_TARBALLS", os.path.join(os.path.dirname(REPO), "shared", "megatron-lm"))
 pytestmark = pytest.mark.slow
 
 
