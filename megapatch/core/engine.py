@@ -207,6 +207,7 @@ def _refuse_unavailable(settings, sources) -> None:
     built), and so is one whose every serving patch is opted out: never run upstream numerics
     silently where a change was asked for (a patch that builds on an opted-out one is left out
     too). Patches opted out beside others that still serve the option are fine."""
+    by_name = {p.name: p for p in patches()}
     for name, value in settings.requested().items():
         alone = options.Settings(**{name: value})
         serving = [p.name for p in patches() if p.option == name and p.applies(alone)]
@@ -223,7 +224,6 @@ def _refuse_unavailable(settings, sources) -> None:
                 f"needs every one of its patches, but {', '.join(needed)} is opted out (skip_patches from "
                 f"{sources.get('skip_patches')}): without it the guarantee does not hold. Remove it from "
                 f"skip_patches, or turn {name} off")
-        by_name = {p.name: p for p in patches()}
         if all(by_name[p].left_out(settings.skip_patches) for p in serving):
             through = "".join(f"; {p} builds on {', '.join(by_name[p].left_out(settings.skip_patches))}"
                               for p in serving if p not in settings.skip_patches)
