@@ -54,6 +54,7 @@ data-parallel ranks without the distributed optimizer), and ``tp_reduce_dtype`` 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 
@@ -72,9 +73,13 @@ CROSS_ENTROPY = "megatron.core.tensor_parallel.cross_entropy"
 MLP = "megatron.core.transformer.mlp"
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 CLIP_GRADS = "megatron.core.optimizer.clip_grads"
+ROUTER = "megatron.core.transformer.moe.router"
+MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
 _norm_owner = contextvars.ContextVar("megapatch_tp_invariant_norm_owner", default=None)
 _gated_fc1 = contextvars.ContextVar("megapatch_tp_invariant_gated_fc1", default=None)
+_expert_scale = contextvars.ContextVar("megapatch_tp_invariant_expert_scale", default=None)  # (fc2, probabilities)
+_router_blocks = contextvars.ContextVar("megapatch_tp_invariant_router_blocks", default=None)
 
 
 def _refuse(what: str, why: str):
@@ -104,14 +109,15 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     sequence_parallel = argument(args, kwargs, 5, "sequence_parallel", False)
     if argument(args, kwargs, 6, "grad_output_buffer", None) is not None:
         _refuse("defer_embedding_wgrad_compute", "the deferred wgrad runs outside this layer")
-    if getattr(instance, "explicit_expert_comm", False):
-        _refuse("expert-parallel linear layers", "not implemented for this mode yet")
+    expert = _expert_layer(instance)
     group = tp_group(instance)
     groups = getattr(getattr(instance, "config", None), "num_query_groups", None)
     if groups is not None and groups < tpi.group_size(group):
         _refuse(*_few_kv_groups(groups, tpi.group_size(group)))
     allreduce_dgrad = argument(args, kwargs, 4, "allreduce_dgrad", False)
-    if tpi.group_size(group) > 1 and not (allreduce_dgrad or sequence_parallel):
+    if expert:  # the token dispatcher gathered the input over expert TP and sums the dgrad there
+        allreduce_dgrad = True
+    elif tpi.group_size(group) > 1 and not (allreduce_dgrad or sequence_parallel):
         _refuse("a column-parallel layer whose dgrad is reduced outside it",
                 "that reduction would sum TP partials natively")
     if sequence_parallel and tpi.group_size(group) > 1:
@@ -124,7 +130,17 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
                         weight.shape[0] // halves * tpi.group_size(group), weight.shape[0] // halves, group)
     # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
     out_dtype = fp32_output_linear.requested_output_dtype()
-    return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype, halves)
+    return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype, halves, expert)
+
+
+def _expert_layer(layer) -> bool:
+    """A routed expert's linear layer whose TP communication the token dispatcher does
+    (``explicit_expert_comm``): only with expert TP, since expert parallelism is refused."""
+    if not getattr(layer, "explicit_expert_comm", False):
+        return False
+    if getattr(layer, "expert_parallel", False):
+        _refuse(*_MOE_EP)
+    return True
 
 
 def _column_init(wrapped, instance, args, kwargs):
@@ -150,8 +166,7 @@ def _row_forward(wrapped, instance, args, kwargs):
     if not tpi.active():
         return wrapped(*args, **kwargs)
     input_ = argument(args, kwargs, 0, "input_")
-    if getattr(instance, "explicit_expert_comm", False):
-        _refuse("expert-parallel linear layers", "not implemented for this mode yet")
+    expert = _expert_layer(instance)
     if getattr(instance, "gradient_accumulation_fusion", False):
         _refuse("gradient_accumulation_fusion", "its fused wgrad GEMM accumulates by shape")
     group = tp_group(instance)
@@ -163,8 +178,14 @@ def _row_forward(wrapped, instance, args, kwargs):
     nb = tpi.blocks_per_rank(group)
     tpi.check_divisible(f"{type(instance).__name__} input features",
                         weight.shape[1] * tpi.group_size(group), weight.shape[1], group)
-    output = tpi.RowParallel.apply(input_, weight, group, nb)
-    split = bool(getattr(instance, "sequence_parallel", False)) and tpi.group_size(group) > 1
+    scale = _expert_scale.get()
+    if scale is not None and scale[0] is instance:  # an expert's activation times its routing probabilities
+        input_ = tpi.ScaledRows.apply(input_, scale[1], group, nb)
+    # an expert's output is summed over expert TP by the token dispatcher: kept on its rank 0
+    output = tpi.RowParallel.apply(input_, weight, group, nb, expert)
+    if expert and instance.bias is not None:
+        _refuse(*_MOE_BIAS)
+    split = not expert and bool(getattr(instance, "sequence_parallel", False)) and tpi.group_size(group) > 1
     if split:  # this rank's part of the sequence of the fixed-tree sum: upstream's reduce-scatter
         output = tpi.ScatterSequence.apply(output, group)
     bias = instance.bias
@@ -270,9 +291,8 @@ def _predicted_logits(wrapped, instance, args, kwargs):
     nb = tpi.blocks_per_rank(group)
     tpi.check_divisible("the vocabulary (cross entropy)", exp_logits.shape[-1] * tpi.group_size(group),
                         exp_logits.shape[-1], group)
-    total = tpi.invariant_sum(tpi.sum_exp_partials(exp_logits, nb), group).view_as(sum_exp_logits)
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
-        total = torch.zeros_like(total)  # upstream's all-reduce then adds exact zeros
+    # handed to upstream's all-reduce on rank 0 only
+    total = tpi.on_root(tpi.invariant_sum(tpi.sum_exp_partials(exp_logits, nb), group), group).view_as(sum_exp_logits)
     return target_mask, masked_target_1d, predicted_logits, total.to(sum_exp_logits.dtype), exp_logits
 
 
@@ -288,11 +308,72 @@ def _mlp_forward(wrapped, instance, args, kwargs):
             _refuse(*refusal)
     for layer in (instance.linear_fc1, instance.linear_fc2):
         _refuse_te(layer)
-    if not config.gated_linear_unit:
+    scale = argument(args, kwargs, 1, "per_token_scale", None)
+    with contextlib.ExitStack() as scopes:
+        if config.gated_linear_unit:
+            _mark_gated_fc1(instance)  # also for a model built before the mode was switched on
+            scopes.enter_context(scoped(_gated_fc1, instance.linear_fc1))  # its column blocks split gate and up
+        if scale is None:
+            return wrapped(*args, **kwargs)
+        # a routed expert: the probabilities scale the activation inside fc2's wrapper, where the
+        # sum of their gradient over the features expert TP splits runs in the fixed tree
+        scopes.enter_context(scoped(_expert_scale, (instance.linear_fc2, scale)))
+        rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "per_token_scale")}
+        return wrapped(argument(args, kwargs, 0, "hidden_states"), None, **rest)
+
+
+# -- mixture of experts: the router ---------------------------------------------------------------
+
+def _router_layout(router, tokens):
+    """``(TP group, sequence parallel, token blocks)`` of a router's input or logits ``[s, b, ...]``."""
+    group = getattr(router, "tp_group", None) or _tp_group_if_initialised()
+    split = bool(getattr(router.config, "sequence_parallel", False)) and tpi.group_size(group) > 1
+    return group, split, _token_blocks(tokens, group, split)
+
+
+def _router_gating(wrapped, instance, args, kwargs):
+    """The gating GEMM per block of consecutive tokens (the same blocks at every TP size); its weight
+    gradient, a sum over tokens, through the token tree -- across TP with sequence parallelism,
+    where upstream all-reduces it as a sequence-parallel parameter (``finalize_model_grads``)."""
+    if not tpi.active():
         return wrapped(*args, **kwargs)
-    _mark_gated_fc1(instance)  # also for a model built before the mode was switched on
-    with scoped(_gated_fc1, instance.linear_fc1):  # its column blocks split gate and up apart
+    input_ = argument(args, kwargs, 0, "input")
+    config = instance.config
+    refusal = _field_refusal(config, "moe_router_dtype", _MOE_REFUSED)
+    if refusal:
+        _refuse(*refusal)
+    dtype = torch.float32 if config.moe_router_dtype == "fp32" else input_.dtype
+    for param in (instance.weight, instance.bias):
+        if param is not None and param.device != input_.device:  # as upstream's gating does at its first call
+            param.data = param.data.to(input_.device)
+    group, split, nb = _router_layout(instance, input_)
+    return tpi.TokenBlockedLinear.apply(input_, instance.weight, instance.bias, group, nb, split, dtype)
+
+
+def _router_routing(wrapped, instance, args, kwargs):
+    if not tpi.active():
         return wrapped(*args, **kwargs)
+    _, _, nb = _router_layout(instance, argument(args, kwargs, 0, "logits"))
+    with scoped(_router_blocks, nb):
+        return wrapped(*args, **kwargs)
+
+
+def _per_token_blocks(wrapped, instance, args, kwargs):
+    """Top-k routing (and the aux loss's top-k) called once per token block of the router: every
+    call sees the same rows at every TP size, so ties are broken the same way whatever kernel a row
+    count would select. A replayed routing (``router_replay``) takes its indices as recorded."""
+    nb = _router_blocks.get()
+    if not tpi.active() or not nb or nb == 1 or kwargs.get("router_replay") is not None:
+        return wrapped(*args, **kwargs)
+    logits = argument(args, kwargs, 0, "logits")
+    mask = kwargs.get("padding_mask")
+    rest = {k: v for k, v in kwargs.items() if k != "logits"}
+    parts = []
+    for rows in tpi.slices(logits.shape[0], nb):
+        if mask is not None:
+            rest["padding_mask"] = mask[rows]
+        parts.append(wrapped(logits[rows], *args[1:], **rest))
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 # -- refusals at model and optimizer construction -------------------------------------------------
@@ -315,7 +396,6 @@ _REFUSED_CONFIG = {
                                "Transformer Engine kernels choose their blocking by shape"),
     "defer_embedding_wgrad_compute": (bool, "--defer-embedding-wgrad-compute",
                                       "the deferred wgrad runs outside the layer"),
-    "num_moe_experts": (bool, "--num-experts", "expert layers are not covered by this mode yet"),
     # off by default in Megatron-LM, on by default in Megatron-Bridge's GPTModelProvider: Bridge's
     # pretrain at TP 2 printed other losses than at TP 1 with it (results/bridge.md)
     "cross_entropy_loss_fusion": (
@@ -325,9 +405,71 @@ _REFUSED_CONFIG = {
 }
 
 
-def _field_refusal(config, field):
+_MOE_EP = ("expert_model_parallel_size > 1 (Megatron-LM: --expert-model-parallel-size)",
+           "an expert then receives tokens from other data-parallel ranks: the combine of a token's "
+           "experts across EP ranks and the expert weight gradients over those tokens are not under the "
+           "fixed tree yet (expert TP = TP is covered)")
+_MOE_BIAS = ("expert biases (add_bias_linear=True with --num-experts; Megatron-LM: on by default; "
+             "--disable-bias-linear)", "upstream's expert MLP adds them scaled by the routing "
+             "probabilities, outside the mode's layers")
+
+#: like _REFUSED_CONFIG, for models with expert layers (--num-experts)
+_MOE_REFUSED = {
+    "expert_model_parallel_size": (lambda v: (v or 1) > 1, "--expert-model-parallel-size", _MOE_EP[1]),
+    "moe_token_dispatcher_type": (
+        lambda v: v not in ("allgather", "alltoall"), "--moe-token-dispatcher-type; covered: allgather, alltoall",
+        "its fused all-to-all (DeepEP/HybridEP) combines the experts' outputs inside its kernels"),
+    "moe_grouped_gemm": (bool, "--moe-grouped-gemm; leave it off",
+                         "grouped-GEMM kernels choose their blocking by the tokens each expert receives"),
+    "moe_permute_fusion": (bool, "--moe-permute-fusion; leave it off",
+                           "Transformer Engine's fused unpermute adds a token's expert outputs in its own order"),
+    "moe_router_fusion": (bool, "--moe-router-fusion; leave it off",
+                          "Transformer Engine's fused top-k and score kernels are not verified for this mode"),
+    "moe_shared_expert_overlap": (bool, "--moe-shared-expert-overlap; leave it off",
+                                  "the overlapped shared expert runs its TP communication inside the "
+                                  "dispatcher, outside the fixed tree"),
+    "moe_shared_expert_gate": (bool, "--moe-shared-expert-gate",
+                               "the gate's weight gradient sums this rank's tokens outside the token blocks"),
+    "moe_expert_capacity_factor": (lambda v: v is not None, "--moe-expert-capacity-factor",
+                                   "token dropping ranks an expert's tokens among this rank's, which "
+                                   "sequence parallelism splits"),
+    "moe_input_jitter_eps": (lambda v: v is not None, "--moe-input-jitter-eps", "its noise is drawn per rank"),
+    "moe_router_force_load_balancing": (bool, "--moe-router-force-load-balancing",
+                                        "its random logits are drawn per rank"),
+    "moe_latent_size": (bool, "--moe-latent-size", "the latent projections are Transformer Engine layers"),
+    "moe_router_dtype": (lambda v: v == "fp64", "--moe-router-dtype; fp32 is covered",
+                         "the mode's gating GEMM blocks compute in FP32"),
+    "moe_router_load_balancing_type": (
+        lambda v: "sinkhorn" in (v if isinstance(v, (list, tuple)) else [v]), "--moe-router-load-balancing-type",
+        "Sinkhorn normalises over this rank's tokens, which sequence parallelism splits"),
+    "add_bias_linear": (bool, "on by default; --disable-bias-linear", _MOE_BIAS[1]),
+}
+
+
+def _moe_refusals(config) -> list:
+    """``[(what, why), ...]`` for a model with expert layers: the fields above, expert TP other
+    than TP, and the per-token loss scaling of the aux and z losses."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    found = [r for r in (_field_refusal(config, field, _MOE_REFUSED) for field in _MOE_REFUSED) if r]
+    tp, etp = block_shapes.tp_size(config), getattr(config, "expert_tensor_parallel_size", None)
+    if etp is not None and etp != tp:
+        found.append((f"expert_tensor_parallel_size={etp} at TP {tp} (Megatron-LM: --expert-tensor-parallel-size)",
+                      "the experts' TP sums are covered with expert TP = TP; with fewer expert TP ranks, "
+                      "TP ranks become expert data-parallel replicas whose weight gradients are summed "
+                      "across ranks outside the fixed tree"))
+    aux = getattr(config, "moe_aux_loss_coeff", 0) or getattr(config, "moe_z_loss_coeff", None)
+    if getattr(config, "calculate_per_token_loss", False) and aux:
+        found.append(("calculate_per_token_loss=True with an MoE aux or z loss (Megatron-LM: "
+                      "--calculate-per-token-loss)",
+                      "upstream scales those losses' gradients by this rank's token count, which sequence "
+                      "parallelism divides by the TP size"))
+    return found
+
+
+def _field_refusal(config, field, table=None):
     """``(what, why)`` when ``config``'s ``field`` has a value the mode cannot cover, else None."""
-    refused, flag, why = _REFUSED_CONFIG[field]
+    refused, flag, why = (table or _REFUSED_CONFIG)[field]
     value = getattr(config, field, None)
     if not refused(value):
         return None
@@ -340,6 +482,7 @@ def _config_refusals(config, vocabulary=None, seq_length=None):
     parallelism: ``seq_length`` where the config has none) and the padded ``vocabulary``
     (``block_shapes``; None: not known)."""
     found = [r for r in (_field_refusal(config, field) for field in _REFUSED_CONFIG) if r]
+    found += _moe_refusals(config)
     tp = block_shapes.tp_size(config)
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     if groups < tp:
@@ -588,6 +731,18 @@ PATCHES = (
         summary="refuses MLP configurations tp_invariant does not cover (TE, fused); marks a gated fc1 (SwiGLU)",
         hook=MLP,
         targets=(Target(MLP, "MLP.forward", _mlp_forward, kind="method", params=("self", "hidden_states")),),
+    ),
+    _invariant_patch(
+        name="tp_invariant.moe",
+        summary="MoE routers under tp_invariant: the gating GEMM and top-k per token block, the gate's weight "
+                "gradient through the token tree (experts: tp_invariant.tensor_parallel, tp_invariant.mlp)",
+        hook=ROUTER,
+        targets=(
+            Target(ROUTER, "Router.gating", _router_gating, kind="method", params=("self", "input")),
+            Target(ROUTER, "TopKRouter.routing", _router_routing, kind="method", params=("self", "logits")),
+            Target(MOE_UTILS, "topk_routing_with_score_function", _per_token_blocks, params=("logits", "topk")),
+            Target(MOE_UTILS, "compute_routing_scores_for_aux_loss", _per_token_blocks, params=("logits", "topk")),
+        ),
     ),
     _invariant_patch(
         name="tp_invariant.construction",

@@ -439,7 +439,9 @@ for argv in json.loads(sys.argv[1]):
         sizes = dict(hidden_size=v.hidden_size, ffn_hidden_size=v.ffn_hidden_size, kv_channels=v.kv_channels,
                      padded_vocab_size=v.padded_vocab_size,
                      vocab_size=v.vocab_size, make_vocab_size_divisible_by=v.make_vocab_size_divisible_by,
-                     seq_length=v.seq_length)
+                     seq_length=v.seq_length, expert_tensor_parallel_size=v.expert_tensor_parallel_size,
+                     moe_ffn_hidden_size=v.moe_ffn_hidden_size)
+    first = lambda value: value[0] if isinstance(value, list) else value  # nargs='+' flags
     out.append(dict(**sizes,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
@@ -452,7 +454,17 @@ for argv in json.loads(sys.argv[1]):
         cross_entropy_loss_fusion=a.cross_entropy_loss_fusion,
         num_moe_experts=a.num_experts, transformer_impl=a.transformer_impl,
         use_distributed_optimizer=a.use_distributed_optimizer,
-        num_distributed_optimizer_instances=a.num_distributed_optimizer_instances))
+        num_distributed_optimizer_instances=a.num_distributed_optimizer_instances,
+        expert_model_parallel_size=a.expert_model_parallel_size, moe_permute_fusion=a.moe_permute_fusion,
+        moe_router_fusion=a.moe_router_fusion, moe_shared_expert_overlap=a.moe_shared_expert_overlap,
+        moe_shared_expert_gate=a.moe_shared_expert_gate,
+        moe_router_force_load_balancing=a.moe_router_force_load_balancing,
+        moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+        moe_expert_capacity_factor=a.moe_expert_capacity_factor, moe_input_jitter_eps=a.moe_input_jitter_eps,
+        moe_latent_size=a.moe_latent_size, moe_router_dtype=a.moe_router_dtype,
+        moe_router_load_balancing_type=first(a.moe_router_load_balancing_type),
+        moe_aux_loss_coeff=first(a.moe_aux_loss_coeff), moe_z_loss_coeff=a.moe_z_loss_coeff,
+        calculate_per_token_loss=a.calculate_per_token_loss, add_bias_linear=a.add_bias_linear))
 print("PARSED" + json.dumps(out))
 """
 
@@ -473,7 +485,16 @@ def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
              ["--num-attention-heads", "8", "--sequence-parallel", "--use-distributed-optimizer",
               "--no-bias-gelu-fusion", "--num-experts", "4", "--use-te-activation-func",
               "--defer-embedding-wgrad-compute", "--tensor-model-parallel-size=4", "--cross-entropy-loss-fusion",
-              "--num-distributed-optimizer-instances", "2"]]
+              "--num-distributed-optimizer-instances", "2"],
+             # issue 26: the MoE flags the tp_invariant refusals read, defaults (expert TP = TP, the
+             # experts' FFN size) derived by validate_args
+             mlm.tiny_gpt_flags(tp=2, hidden=64, heads=4, extra=(
+                 "--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-permute-fusion",
+                 "--moe-router-fusion", "--moe-shared-expert-overlap", "--moe-shared-expert-gate",
+                 "--moe-shared-expert-intermediate-size", "96", "--moe-expert-capacity-factor", "1.5",
+                 "--moe-input-jitter-eps", "0.01", "--moe-router-dtype", "fp32", "--moe-router-load-balancing-type",
+                 "sinkhorn", "--moe-aux-loss-coeff", "0.001", "--moe-z-loss-coeff", "0.002",
+                 "--calculate-per-token-loss", "--disable-bias-linear", "--sequence-parallel"))]
     parsed = subprocess.run([sys.executable, "-c", _PARSED, json.dumps(lines)], cwd=str(checkout[1]),
                             capture_output=True, text=True, timeout=300)
     assert parsed.returncode == 0, parsed.stderr[-3000:]

@@ -60,6 +60,39 @@ def _null_tokenizer_adds_eod() -> bool:
         return True
 
 
+def _float(argv: Sequence[str], flag: str) -> Optional[float]:
+    text = _value(argv, flag)
+    return None if text is None else float(text)
+
+
+#: MoE config fields set by a switch of the field's name (``--moe-permute-fusion``; core_v0.16.1
+#: generates them from ``TransformerConfig``), off by default
+_MOE_SWITCHES = ("moe_permute_fusion", "moe_router_fusion", "moe_shared_expert_overlap", "moe_shared_expert_gate",
+                 "moe_router_force_load_balancing")
+
+
+def _moe_fields(argv: Sequence[str], flags: set, tp: int) -> Dict[str, object]:
+    """The expert layers' fields, with Megatron-LM's defaults (``validate_args``: expert TP = TP
+    unless given; the experts' FFN size = ``--ffn-hidden-size`` unless given)."""
+    fields: Dict[str, object] = {name: f"--{name.replace('_', '-')}" in flags for name in _MOE_SWITCHES}
+    fields.update(
+        expert_model_parallel_size=_int(argv, "--expert-model-parallel-size", 1),
+        expert_tensor_parallel_size=_int(argv, "--expert-tensor-parallel-size", tp),
+        moe_ffn_hidden_size=_int(argv, "--moe-ffn-hidden-size", None),
+        moe_shared_expert_intermediate_size=_int(argv, "--moe-shared-expert-intermediate-size", None),
+        moe_expert_capacity_factor=_float(argv, "--moe-expert-capacity-factor"),
+        moe_input_jitter_eps=_float(argv, "--moe-input-jitter-eps"),
+        moe_latent_size=_int(argv, "--moe-latent-size", None),
+        moe_router_dtype=_value(argv, "--moe-router-dtype"),
+        moe_router_load_balancing_type=_value(argv, "--moe-router-load-balancing-type") or "aux_loss",
+        moe_aux_loss_coeff=_float(argv, "--moe-aux-loss-coeff") or 0.0,
+        moe_z_loss_coeff=_float(argv, "--moe-z-loss-coeff"),
+        calculate_per_token_loss="--calculate-per-token-loss" in flags,
+        add_bias_linear="--disable-bias-linear" not in flags,
+    )
+    return fields
+
+
 def _ffn_hidden_size(argv: Sequence[str], hidden: Optional[int], swiglu: bool) -> Optional[int]:
     """``--ffn-hidden-size``, else Megatron-LM's default (``validate_args``)."""
     ffn = _int(argv, "--ffn-hidden-size", None)
@@ -100,6 +133,7 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         num_moe_experts=_int(argv, "--num-experts", None),
         moe_token_dispatcher_type=_value(argv, "--moe-token-dispatcher-type") or "allgather",
         moe_grouped_gemm="--moe-grouped-gemm" in flags,
+        **_moe_fields(argv, flags, tp),
         transformer_impl=_value(argv, "--transformer-impl") or "transformer_engine",
         spec=_value(argv, "--spec"),  # a job's own layer spec: no TE spec from --transformer-impl
         use_legacy_models="--use-legacy-models" in flags,
@@ -114,6 +148,8 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         make_vocab_size_divisible_by=_int(argv, "--make-vocab-size-divisible-by", 128),
         tokenizer_type=_value(argv, "--tokenizer-type"),
     )
+    if fields["num_moe_experts"] and fields["moe_ffn_hidden_size"] is None:
+        fields["moe_ffn_hidden_size"] = fields["ffn_hidden_size"]
     if heads is None:
         fields["num_attention_heads"] = fields["num_query_groups"] or 1
     return types.SimpleNamespace(**fields)

@@ -64,11 +64,19 @@ def _split_dimensions(config, seq_length: Optional[int] = None) -> List[Tuple[st
         found.append((f"the attention projection's input features, num_attention_heads {heads} x "
                       f"kv_channels {channels} = {heads * channels}", heads * channels, "--kv-channels"))
     ffn = getattr(config, "ffn_hidden_size", None)
+    gated = getattr(config, "gated_linear_unit", False)
     if ffn:
-        gated = getattr(config, "gated_linear_unit", False)
         found.append((f"ffn_hidden_size={ffn} (--ffn-hidden-size)"
                       + (", the size of each of the SwiGLU fc1's gate and up halves (--swiglu)" if gated else ""),
                       ffn, "--ffn-hidden-size"))
+    if getattr(config, "num_moe_experts", None):  # routed and shared experts: column/row parallel over expert TP
+        for field, flag in (("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+                            ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size")):
+            size = getattr(config, field, None)
+            if size:
+                found.append((f"{field}={size} ({flag})"
+                              + (", the size of each of the SwiGLU fc1's gate and up halves" if gated else ""),
+                              size, flag))
     seq = getattr(config, "seq_length", None) or seq_length
     if seq and getattr(config, "sequence_parallel", False) and tp_size(config) > 1:
         found.append((f"the sequence length {seq} (--seq-length) with --sequence-parallel at TP {tp_size(config)}",

@@ -135,7 +135,7 @@ def invariant_sum(partials: Sequence[torch.Tensor], group,
 _all_gather_single = getattr(c10d, "all_gather_single", None) or c10d.all_gather_into_tensor
 
 
-def _slices(size: int, nb: int) -> List[slice]:
+def slices(size: int, nb: int) -> List[slice]:
     step = size // nb
     return [slice(i * step, (i + 1) * step) for i in range(nb)]
 
@@ -168,13 +168,15 @@ class ColumnParallel(torch.autograd.Function):
     forward: each block of N/W output features is one [M, K] x [K, N/W] FP32 GEMM (+ bias),
     rounded once. backward: dgrad is the tree sum of the W blocks' [M, N/W] x [N/W, K] partials
     (over the TP group when ``reduce_dgrad``); wgrad and bias grad are per block. ``halves=2``: a
-    gated fc1 (see ``column_blocks``)."""
+    gated fc1 (see ``column_blocks``). ``dgrad_on_root``: the summed dgrad is kept by the group's
+    rank 0 and zeros elsewhere (an expert's fc1, whose dgrad upstream sums over expert TP itself:
+    ``on_root``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None, halves=1):
+    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None, halves=1, dgrad_on_root=False):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
-        ctx.halves = halves
+        ctx.halves, ctx.dgrad_on_root = halves, dgrad_on_root
         x2 = operand(x.reshape(-1, x.shape[-1]))
         outs = []
         for sl in column_blocks(weight.shape[0], nb, halves)[0]:
@@ -203,11 +205,13 @@ class ColumnParallel(torch.autograd.Function):
         if partials:
             group = ctx.group if ctx.reduce_dgrad else None
             dgrad = invariant_sum(partials, group, x.dtype).view(x.shape)
+            if ctx.dgrad_on_root:
+                dgrad = on_root(dgrad, group)
         if wgrads:
             wgrad = torch.cat(wgrads, dim=0).to(weight.dtype)
         if bgrads:
             bgrad = torch.cat(bgrads).to(weight.dtype)
-        return dgrad, wgrad, bgrad, None, None, None, None, None
+        return dgrad, wgrad, bgrad, None, None, None, None, None, None
 
 
 class RowParallel(torch.autograd.Function):
@@ -215,16 +219,20 @@ class RowParallel(torch.autograd.Function):
 
     forward: each block of K/W input features is one [M, K/W] x [K/W, N] FP32 GEMM; the W
     partials go through the fixed tree (across the TP group) and are rounded once. The output is
-    the same on every rank, so its gradient is too; dgrad and wgrad are per block."""
+    the same on every rank, so its gradient is too; dgrad and wgrad are per block. ``on_root``: the
+    output is kept by the group's rank 0, zeros elsewhere (an expert's fc2, whose output upstream's
+    token dispatcher sums over expert TP: ``on_root``); its gradient, the same on every rank after
+    upstream's gather, still reaches every rank's blocks."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, nb):
+    def forward(ctx, x, weight, group, nb, on_root_only=False):
         ctx.save_for_backward(x, weight)
         ctx.nb = nb
         x2 = x.reshape(-1, x.shape[-1])
         partials = [product(operand(x2[:, sl]), operand(weight[:, sl]).t()).view(*x.shape[:-1], weight.shape[0])
-                    for sl in _slices(weight.shape[1], nb)]
-        return _owned(invariant_sum(partials, group, x.dtype))
+                    for sl in slices(weight.shape[1], nb)]
+        out = _owned(invariant_sum(partials, group, x.dtype))
+        return on_root(out, group) if on_root_only else out
 
     @staticmethod
     def backward(ctx, grad):
@@ -232,14 +240,23 @@ class RowParallel(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         g2 = operand(grad.reshape(-1, grad.shape[-1]))
         dgrads, wgrads = [], []
-        for sl in _slices(weight.shape[1], ctx.nb):
+        for sl in slices(weight.shape[1], ctx.nb):
             if ctx.needs_input_grad[0]:
                 dgrads.append(product(g2, operand(weight[:, sl])))
             if ctx.needs_input_grad[1]:
                 wgrads.append(product(g2.t(), operand(x2[:, sl])))
         dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
         wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype) if wgrads else None
-        return dgrad, wgrad, None, None
+        return dgrad, wgrad, None, None, None
+
+
+def on_root(total: torch.Tensor, group) -> torch.Tensor:
+    """``total`` (the same on every rank of ``group``) on the group's rank 0, zeros on the others:
+    handed to a sum upstream then computes over ``group`` itself (a TP all-reduce or a token
+    dispatcher's reduce-scatter), one value plus zeros is exact, so upstream's sum keeps the bits."""
+    if group is not None and group.rank() != 0:
+        return torch.zeros_like(total)
+    return total
 
 
 def _own_rows(x: torch.Tensor, group) -> torch.Tensor:
@@ -299,12 +316,15 @@ def _token_tree(grad: torch.Tensor, factor: Optional[torch.Tensor], group, nb: i
         g2 = grad.reshape(-1, grad.shape[-1])
         f2 = None if factor is None else factor.reshape(-1, factor.shape[-1])
         parts = [(f32(g2[sl]) if f2 is None else f32(g2[sl]) * f32(f2[sl])).sum(dim=0)
-                 for sl in _slices(g2.shape[0], nb)]
-    across = split or heads
-    total = invariant_sum(parts, group if across else None)
-    if across and group is not None and group.rank() != 0:
-        total = torch.zeros_like(total)
-    return total
+                 for sl in slices(g2.shape[0], nb)]
+    return _token_sum(parts, group if split or heads else None)
+
+
+def _token_sum(parts: Sequence[torch.Tensor], group) -> torch.Tensor:
+    """The fixed-tree sum of token blocks' FP32 partials, across ``group`` (None: this rank's
+    blocks only), kept on the group's rank 0 (``on_root``): upstream all-reduces such gradients
+    over TP (``finalize_model_grads``)."""
+    return on_root(invariant_sum(parts, group), group)
 
 
 def _head_leaves(grad: torch.Tensor, factor: Optional[torch.Tensor], nb: int) -> List[torch.Tensor]:
@@ -374,10 +394,71 @@ class TokenBlockedBias(torch.autograd.Function):
         return _token_tree(grad, None, ctx.group, ctx.nb, ctx.split).to(ctx.dtype), None, None, None, None
 
 
+class TokenBlockedLinear(torch.autograd.Function):
+    """A replicated linear layer applied to this rank's tokens (a MoE router's gating GEMM):
+    ``x W^T (+ b)`` as ``nb`` FP32 GEMMs over blocks of consecutive tokens (rows of the flattened
+    [s, b] layout; the same blocks at every TP size, sequence parallelism giving each rank W/t of
+    them), the result in ``out_dtype``. dgrad per block; the weight and bias gradients, sums over
+    tokens, follow ``_token_sum`` (across ``group`` when ``split``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, nb, split, out_dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.group, ctx.nb, ctx.split = bias is not None, group, nb, split
+        x2 = x.reshape(-1, x.shape[-1])
+        w = operand(weight)
+        outs = []
+        for sl in slices(x2.shape[0], nb):
+            out = product(operand(x2[sl]), w.t())
+            outs.append(out + f32(bias) if bias is not None else out)
+        return torch.cat(outs).to(out_dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        blocks = slices(x2.shape[0], ctx.nb)
+        group = ctx.group if ctx.split else None
+        dgrad = wgrad = bgrad = None
+        if ctx.needs_input_grad[0]:
+            w = operand(weight)
+            dgrad = torch.cat([product(operand(g2[sl]), w) for sl in blocks]).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            wgrad = _token_sum([product(operand(g2[sl]).t(), operand(x2[sl])) for sl in blocks],
+                               group).to(weight.dtype)
+        if ctx.has_bias:
+            bgrad = _token_sum([f32(g2[sl]).sum(dim=0) for sl in blocks], group).to(weight.dtype)
+        return dgrad, wgrad, bgrad, None, None, None, None
+
+
+class ScaledRows(torch.autograd.Function):
+    """``(x * scale[..., None]).to(x.dtype)``: a MoE expert's activation times each token's
+    routing probability, computed as upstream computes it (elementwise). The probability's
+    gradient, a sum over the features expert TP splits, runs as this rank's ``nb`` = W/t feature
+    blocks in the fixed tree across ``group``, kept on its rank 0 (``on_root``: upstream sums the
+    probabilities' gradients over the expert-TP ranks in the dispatcher's gather backward)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, group, nb):
+        ctx.save_for_backward(x, scale)
+        ctx.group, ctx.nb = group, nb
+        return (x * scale.unsqueeze(-1)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        dx = (grad * scale.unsqueeze(-1)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dscale = None
+        if ctx.needs_input_grad[1]:
+            parts = [(f32(grad[..., sl]) * f32(x[..., sl])).sum(dim=-1) for sl in slices(x.shape[-1], ctx.nb)]
+            dscale = _token_sum(parts, ctx.group).to(scale.dtype)
+        return dx, dscale, None, None
+
+
 def sum_exp_partials(exp_logits: torch.Tensor, nb: int) -> List[torch.Tensor]:
     """Per-block FP32 sums over the vocab shard's last dim (W/t blocks of V/W)."""
     e2 = exp_logits.reshape(-1, exp_logits.shape[-1])
-    return [f32(e2[:, sl]).sum(dim=-1) for sl in _slices(e2.shape[-1], nb)]
+    return [f32(e2[:, sl]).sum(dim=-1) for sl in slices(e2.shape[-1], nb)]
 
 
 def squared_norms(grads: Sequence[torch.Tensor], partition_dims: Sequence[Optional[int]],

@@ -183,3 +183,68 @@ def fp32_reference(ctx, batch_seed: int = 5, dispatcher: str = "alltoall",
     with torch.no_grad():
         logits = model(batch.tokens, batch.position_ids, batch.attention_mask).float()
     return {"logits": logits, "routing": [r.clone() for r in routing]} if ctx.rank == 0 else None
+
+
+def sum_tp_replicated_grads(ctx, model) -> None:
+    """What megatron-core's ``finalize_model_grads`` does for parameters replicated over TP whose
+    gradients each TP rank sums over only part of the work (this harness trains without its DDP
+    wrapper): sequence-parallel parameters (norms, the MoE router's gate) and the QK norms, all-
+    reduced over the TP group (``_allreduce_non_tensor_model_parallel_grads``, core_v0.16.1)."""
+    from megatron.core import parallel_state
+
+    if ctx.tp_size == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for name, param in model.named_parameters():
+        qk_norm = "q_layernorm" in name or "k_layernorm" in name
+        if param.grad is not None and (getattr(param, "sequence_parallel", False) or qk_norm):
+            torch.distributed.all_reduce(param.grad, group=group)
+
+
+def invariant_training(ctx, tps: Sequence[int], dispatcher: str, steps: int = 3, clip: float = 0.05,
+                       modes: Sequence[str] = ("tp_invariant",), config_overrides: Optional[Dict[str, Any]] = None):
+    """Per mode and TP size (expert TP = TP, EP = 1; sequence parallelism at TP > 1): step 0's
+    logits, every router's expert choices, per-token losses and unsharded gradients, then ``steps``
+    clipped AdamW steps (megatron's BF16 optimizer): their grad norms and the parameters after
+    them. ``tp_invariant``: megapatch's mode; ``native``: megapatch off (the precondition)."""
+    import megapatch
+    from megapatch.testing.models.tiny_gpt import (
+        build_bf16_optimizer, cuda_type_names, gather_full_grads, gather_full_weights, gather_tp_logits)
+    from megapatch.testing.ranks.harness import _megatron_context
+
+    out: Dict[Any, Any] = {}
+    for mode in modes:
+        for tp in tps:
+            megapatch.disable()
+            if mode == "tp_invariant":
+                megapatch.enable(tp_invariant=True)
+            config = qwen3_moe_config(tp, dispatcher, **(config_overrides or {}))
+            model = build_full_then_shard(ctx, 1, config)
+            ctx = _megatron_context(ctx)  # the layout build_full_then_shard set up
+            routing = _record_routing(model, ctx)
+            optimizer = build_bf16_optimizer(model, clip_grad=clip)
+            norms = []
+            for step in range(steps + 1):
+                batch = make_batch_for_model(5 + step)
+                optimizer.zero_grad()
+                routing.clear()
+                losses = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+                losses.float().mean().backward()
+                sum_tp_replicated_grads(ctx, model)
+                if step == 0:
+                    with torch.no_grad():
+                        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+                    entry = {"logits": gather_tp_logits(logits, ctx).float(), "losses": losses.detach().float(),
+                             "routing": [r.clone() for r in routing[-config.num_layers:]],
+                             "grads": gather_full_grads(model, ctx)}
+                    if not steps:
+                        break
+                with cuda_type_names():
+                    ok, norm, _ = optimizer.step()
+                assert ok
+                norms.append(norm)
+            entry["norms"] = norms
+            entry["params"] = {n: p.float() for n, p in gather_full_weights(model, ctx).items()}
+            out[(mode, tp)] = entry
+    megapatch.disable()
+    return out if ctx.rank == 0 else None
