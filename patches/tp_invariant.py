@@ -26,6 +26,18 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   ``ColumnParallelLinear.__init__`` refuses an output size the width does not divide when the
   layer is built (a GPT's output layer, outside any block).
 
+* Mixture of experts (expert TP = TP, EP = 1; ``tp_invariant.moe`` and the layers above): the
+  router's gating GEMM runs per block of consecutive tokens (``TokenBlockedLinear``), its weight
+  gradient through the token tree like a norm's; top-k routing runs once per token block, so
+  every call sees the same rows at every TP size. An expert's fc1/fc2 are ``explicit_expert_comm``
+  layers whose TP sums the token dispatcher does: fc2's fixed-tree sum, and fc1's dgrad tree sum,
+  are handed to it on expert-TP rank 0 only (``block_tree.on_root``), so its reduce-scatter adds
+  exact zeros. The routing probability scales the activation inside fc2's wrapper
+  (``ScaledRows``): its gradient, a sum over the features expert TP splits, goes through the tree.
+  A token's top-k outputs are added by upstream's unpermute in expert order, the same at every TP
+  size with EP = 1; shared experts are ordinary MLPs. Aux- and z-loss gradients are per token
+  (token counts are integers), their logged values are not made invariant.
+
 Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
 all-gathers, the norms' per-token work and replicated parameters' gradients (same full tensors on every rank),
 core attention (per head), the MLP activation, the loss average, Adam (elementwise).
@@ -47,7 +59,9 @@ all-reduce of those gradients on rank 0 only.
 
 Refused in this mode (with the reason): QK layernorm on a head count W cannot cut, norms other than torch's, Transformer Engine modules, fused
 bias-activation, fewer KV groups than the TP size, gradient-accumulation fusion, deferred embedding wgrad,
-expert layers, several distributed-optimizer instances, grad norms over expert ranks (or over
+MoE settings outside the covered set (``_MOE_REFUSED``: expert parallelism, expert TP other than TP,
+flex dispatcher, grouped GEMM, permute/router fusion, shared-expert gate and overlap, token
+dropping, ...), several distributed-optimizer instances, grad norms over expert ranks (or over
 data-parallel ranks without the distributed optimizer), and ``tp_reduce_dtype`` other than native
 (this mode already sums in FP32 through its own tree).
 """
@@ -75,11 +89,14 @@ OPTIMIZER = "megatron.core.optimizer.optimizer"
 CLIP_GRADS = "megatron.core.optimizer.clip_grads"
 ROUTER = "megatron.core.transformer.moe.router"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+MOE_LAYER = "megatron.core.transformer.moe.moe_layer"  # imports the router, the dispatchers and moe_utils
 
 _norm_owner = contextvars.ContextVar("megapatch_tp_invariant_norm_owner", default=None)
 _gated_fc1 = contextvars.ContextVar("megapatch_tp_invariant_gated_fc1", default=None)
 _expert_scale = contextvars.ContextVar("megapatch_tp_invariant_expert_scale", default=None)  # (fc2, probabilities)
 _router_blocks = contextvars.ContextVar("megapatch_tp_invariant_router_blocks", default=None)
+_expert_rows = contextvars.ContextVar("megapatch_tp_invariant_expert_rows", default=None)  # TokenSources
 
 
 def _refuse(what: str, why: str):
@@ -130,17 +147,19 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
                         weight.shape[0] // halves * tpi.group_size(group), weight.shape[0] // halves, group)
     # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
     out_dtype = fp32_output_linear.requested_output_dtype()
-    return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype, halves, expert)
+    return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype, halves, expert,
+                                    _sources(instance))
 
 
 def _expert_layer(layer) -> bool:
     """A routed expert's linear layer whose TP communication the token dispatcher does
-    (``explicit_expert_comm``): only with expert TP, since expert parallelism is refused."""
-    if not getattr(layer, "explicit_expert_comm", False):
-        return False
-    if getattr(layer, "expert_parallel", False):
-        _refuse(*_MOE_EP)
-    return True
+    (``explicit_expert_comm``: with expert TP or expert parallelism)."""
+    return bool(getattr(layer, "explicit_expert_comm", False))
+
+
+def _sources(layer):
+    """A routed expert's ``TokenSources`` (None for other layers, or with one data-parallel rank)."""
+    return _expert_rows.get() if getattr(layer, "is_expert", False) else None
 
 
 def _column_init(wrapped, instance, args, kwargs):
@@ -182,7 +201,7 @@ def _row_forward(wrapped, instance, args, kwargs):
     if scale is not None and scale[0] is instance:  # an expert's activation times its routing probabilities
         input_ = tpi.ScaledRows.apply(input_, scale[1], group, nb)
     # an expert's output is summed over expert TP by the token dispatcher: kept on its rank 0
-    output = tpi.RowParallel.apply(input_, weight, group, nb, expert)
+    output = tpi.RowParallel.apply(input_, weight, group, nb, expert, _sources(instance))
     if expert and instance.bias is not None:
         _refuse(*_MOE_BIAS)
     split = not expert and bool(getattr(instance, "sequence_parallel", False)) and tpi.group_size(group) > 1
@@ -318,8 +337,11 @@ def _mlp_forward(wrapped, instance, args, kwargs):
         # a routed expert: the probabilities scale the activation inside fc2's wrapper, where the
         # sum of their gradient over the features expert TP splits runs in the fixed tree
         scopes.enter_context(scoped(_expert_scale, (instance.linear_fc2, scale)))
+        hidden = argument(args, kwargs, 0, "hidden_states")
+        sources = getattr(instance, _SOURCES, None) or _own_sources(hidden.shape[0])
+        scopes.enter_context(scoped(_expert_rows, sources))
         rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "per_token_scale")}
-        return wrapped(argument(args, kwargs, 0, "hidden_states"), None, **rest)
+        return wrapped(hidden, None, **rest)
 
 
 # -- mixture of experts: the router ---------------------------------------------------------------
@@ -361,9 +383,11 @@ def _router_routing(wrapped, instance, args, kwargs):
 def _per_token_blocks(wrapped, instance, args, kwargs):
     """Top-k routing (and the aux loss's top-k) called once per token block of the router: every
     call sees the same rows at every TP size, so ties are broken the same way whatever kernel a row
-    count would select. A replayed routing (``router_replay``) takes its indices as recorded."""
+    count would select. Under a router-replay action (recording or replaying, ``router_replay``)
+    the call is left whole: upstream records and replays one tensor of indices per call."""
     nb = _router_blocks.get()
-    if not tpi.active() or not nb or nb == 1 or kwargs.get("router_replay") is not None:
+    replay = getattr(kwargs.get("router_replay"), "router_replay_action", None)
+    if not tpi.active() or not nb or nb == 1 or replay is not None:
         return wrapped(*args, **kwargs)
     logits = argument(args, kwargs, 0, "logits")
     mask = kwargs.get("padding_mask")
@@ -374,6 +398,105 @@ def _per_token_blocks(wrapped, instance, args, kwargs):
             rest["padding_mask"] = mask[rows]
         parts.append(wrapped(logits[rows], *args[1:], **rest))
     return tuple(torch.cat(outputs) for outputs in zip(*parts))
+
+
+# -- mixture of experts: where an expert's tokens come from --------------------------------------
+
+_SOURCES = "_megapatch_token_sources"  # on an expert MLP: its rows' TokenSources (set with EP > 1)
+_EXPERTS = "_megapatch_local_experts"  # on a token dispatcher: its layer's local expert MLPs
+_EXPERT_KEY = "_megapatch_expert_key"  # on an expert parameter: (layer, global expert, parameter)
+
+
+def _data_parallel():
+    """``(rank, size, expert-data-parallel group)``; a size the fixed tree cannot take is refused."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_data_parallel_world_size()
+    if size & (size - 1):
+        _refuse(f"a data-parallel size of {size} with expert layers",
+                "an expert's weight gradient sums the data-parallel ranks' tokens in a fixed tree whose "
+                "width is a power of two")
+    return parallel_state.get_data_parallel_rank(), size, parallel_state.get_expert_data_parallel_group()
+
+
+def _own_sources(rows: int):
+    """Without expert parallelism an expert sees this data-parallel rank's tokens only; with other
+    data-parallel ranks their partial weight gradients are added in the tree (None: one rank)."""
+    rank, size, group = _data_parallel()
+    return None if size == 1 else tpi.TokenSources((rows,), (rank,), group, size)
+
+
+def _ep_data_parallel_ranks(dispatcher):
+    """The data-parallel rank of each EP rank of the dispatcher's group, in EP rank order."""
+    found = getattr(dispatcher, "_megapatch_ep_dp_ranks", None)
+    if found is None:
+        rank, _, _ = _data_parallel()
+        ranks = [torch.zeros(1, dtype=torch.long) for _ in range(dispatcher.ep_size)]
+        torch.distributed.all_gather(ranks, torch.tensor([rank]), group=dispatcher.ep_group)
+        found = dispatcher._megapatch_ep_dp_ranks = [int(r) for r in ranks]
+    return found
+
+
+def _alltoall_dispatch_postprocess(wrapped, instance, args, kwargs):
+    """With expert parallelism each local expert's rows arrive from (TP rank, EP rank) chunks in
+    TP-major order; they are reordered EP-major, so that each source data-parallel rank's rows are
+    one block in sequence order (as they are on that rank without expert parallelism), and the
+    blocks are recorded for the expert's GEMMs and weight gradient (``TokenSources``)."""
+    tokens, tokens_per_expert, probs = wrapped(*args, **kwargs)
+    if not tpi.active() or instance.ep_size == 1:
+        return tokens, tokens_per_expert, probs
+    chunks = getattr(instance, "num_global_tokens_per_local_expert", None)
+    if instance.num_local_experts == 1 or chunks is None:
+        _refuse(f"one expert per EP rank ({instance.ep_size} EP ranks; Megatron-LM: --num-experts)",
+                "the dispatcher then keeps no per-source token counts; use more experts than EP ranks")
+    tp, ep, local = instance.tp_size, instance.ep_size, instance.num_local_experts
+    counts = chunks.reshape(tp, ep, local).tolist()
+    _, size, group = _data_parallel()
+    leaves = tuple(_ep_data_parallel_ranks(instance))
+    order, sources, start = [], [], 0
+    for e in range(local):
+        begin = {}
+        for j in range(tp):
+            for k in range(ep):
+                begin[j, k] = start
+                start += counts[j][k][e]
+        for k in range(ep):
+            for j in range(tp):
+                order += range(begin[j, k], begin[j, k] + counts[j][k][e])
+        sources.append(tpi.TokenSources(tuple(sum(counts[j][k][e] for j in range(tp)) for k in range(ep)),
+                                        leaves, group, size))
+    order = torch.tensor(order, dtype=torch.long, device=tokens.device)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    instance._megapatch_restore = restore
+    experts = getattr(instance, _EXPERTS, None)
+    if experts is None or len(experts) != local:
+        _refuse("an expert-parallel MoE layer built before tp_invariant was switched on",
+                "the mode links each layer's experts to its dispatcher when the model is built")
+    for expert, found in zip(experts, sources):
+        setattr(expert, _SOURCES, found)
+    return tokens.index_select(0, order), tokens_per_expert, probs.index_select(0, order)
+
+
+def _alltoall_combine_preprocess(wrapped, instance, args, kwargs):
+    if not tpi.active() or instance.ep_size == 1:
+        return wrapped(*args, **kwargs)
+    hidden = argument(args, kwargs, 0, "hidden_states")
+    return wrapped(hidden.index_select(0, instance._megapatch_restore))
+
+
+def _mark_experts(name: str, module) -> None:
+    """Link a layer's dispatcher to its local experts, and key each expert parameter by (layer,
+    global expert, parameter) for the grad norm's order across EP ranks."""
+    experts, dispatcher = getattr(module, "experts", None), getattr(module, "token_dispatcher", None)
+    if experts is None or dispatcher is None or not hasattr(experts, "local_experts"):
+        return
+    setattr(dispatcher, _EXPERTS, list(experts.local_experts))
+    layer = int(next((p for p in reversed(name.split(".")) if p.isdigit()), 0))
+    first = dispatcher.local_expert_indices[0]
+    for i, expert in enumerate(experts.local_experts):
+        for j, param in enumerate(expert.parameters()):
+            setattr(param, _EXPERT_KEY, (layer, first + i, j))
 
 
 # -- refusals at model and optimizer construction -------------------------------------------------
@@ -405,19 +528,19 @@ _REFUSED_CONFIG = {
 }
 
 
-_MOE_EP = ("expert_model_parallel_size > 1 (Megatron-LM: --expert-model-parallel-size)",
-           "an expert then receives tokens from other data-parallel ranks: the combine of a token's "
-           "experts across EP ranks and the expert weight gradients over those tokens are not under the "
-           "fixed tree yet (expert TP = TP is covered)")
+_MOE_EP = ("expert_model_parallel_size > 1 with the allgather dispatcher (Megatron-LM: "
+           "--expert-model-parallel-size with --moe-token-dispatcher-type allgather; alltoall is covered)",
+           "each EP rank adds its own experts' outputs for a token before the reduce-scatter adds the "
+           "ranks' sums, an order that depends on the EP size")
 _MOE_BIAS = ("expert biases (add_bias_linear=True with --num-experts; Megatron-LM: on by default; "
              "--disable-bias-linear)", "upstream's expert MLP adds them scaled by the routing "
              "probabilities, outside the mode's layers")
 
 #: like _REFUSED_CONFIG, for models with expert layers (--num-experts)
 _MOE_REFUSED = {
-    "expert_model_parallel_size": (lambda v: (v or 1) > 1, "--expert-model-parallel-size", _MOE_EP[1]),
     "moe_token_dispatcher_type": (
-        lambda v: v not in ("allgather", "alltoall"), "--moe-token-dispatcher-type; covered: allgather, alltoall",
+        lambda v: v is not None and v not in ("allgather", "alltoall"),
+        "--moe-token-dispatcher-type; covered: allgather, alltoall",
         "its fused all-to-all (DeepEP/HybridEP) combines the experts' outputs inside its kernels"),
     "moe_grouped_gemm": (bool, "--moe-grouped-gemm; leave it off",
                          "grouped-GEMM kernels choose their blocking by the tokens each expert receives"),
@@ -452,6 +575,15 @@ def _moe_refusals(config) -> list:
     if not getattr(config, "num_moe_experts", None):
         return []
     found = [r for r in (_field_refusal(config, field, _MOE_REFUSED) for field in _MOE_REFUSED) if r]
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    if ep > 1 and getattr(config, "moe_token_dispatcher_type", None) == "allgather":
+        found.append(_MOE_EP)
+    if ep > 1 and config.num_moe_experts == ep:
+        found.append((f"num_moe_experts={config.num_moe_experts} with expert_model_parallel_size={ep} "
+                      f"(Megatron-LM: --num-experts, --expert-model-parallel-size)",
+                      "with one expert per EP rank the alltoall dispatcher keeps no per-source token counts, "
+                      "which the mode needs to run each source's tokens as one block; use more experts than "
+                      "EP ranks"))
     tp, etp = block_shapes.tp_size(config), getattr(config, "expert_tensor_parallel_size", None)
     if etp is not None and etp != tp:
         found.append((f"expert_tensor_parallel_size={etp} at TP {tp} (Megatron-LM: --expert-tensor-parallel-size)",
@@ -538,11 +670,14 @@ def _block_init(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     config = argument(args, kwargs, 0, "config")
     _check_config(config)
+    if getattr(config, "num_moe_experts", None) and _tp_group_if_initialised() is not None:
+        _data_parallel()  # a data-parallel size the experts' gradient tree cannot take
     result = wrapped(*args, **kwargs)
     for name, module in instance.named_modules():
         _refuse_te(module)
         _token_blocked_norm(module, _is_qk_norm(name, config))
         _mark_gated_fc1(module)
+        _mark_experts(name, module)
     return result
 
 
@@ -560,18 +695,15 @@ def _mark_gated_fc1(module) -> None:
                 setattr(param, _GATED, 2)
 
 
-def _gated_halves(optimizer) -> dict:
-    """``{id(parameter the optimizer steps): 2}`` for gated fc1 parameters, through the FP32 main
-    copies a mixed-precision optimizer made of them (the mark stays on the model parameter)."""
+def _model_params(optimizer) -> dict:
+    """``{id(parameter the optimizer steps): model parameter}`` for the FP32 main copies a
+    mixed-precision optimizer made of model parameters (the marks -- gated fc1, expert key -- stay
+    on the model parameter)."""
     import itertools
 
-    found = {}
     model = itertools.chain.from_iterable(getattr(optimizer, "float16_groups", ()) or ())
     main = itertools.chain.from_iterable(getattr(optimizer, "fp32_from_float16_groups", ()) or ())
-    for model_param, main_param in zip(model, main):
-        if getattr(model_param, _GATED, 1) == 2:
-            found[id(main_param)] = 2
-    return found
+    return {id(main_param): model_param for model_param, main_param in zip(model, main)}
 
 
 def _distributed_optimizer_init(wrapped, instance, args, kwargs):
@@ -602,17 +734,34 @@ def _grad_norm_fp32(wrapped, instance, args, kwargs):
                 "the invariant norm needs the parameters' partition dims")
     if norm_type != 2.0:
         _refuse(f"a grad norm of type {norm_type}", "only the 2-norm (and inf) is invariant")
+    return _invariant_grad_norm(owner, argument(args, kwargs, 2, "grad_stats_parallel_group", None))
+
+
+def _chained_grad_norm(wrapped, instance, args, kwargs):
+    """A chained optimizer's norm (dense and expert parameters), computed over all its optimizers
+    at once: upstream adds the optimizers' norms as ``sqrt(a^2 + b^2)`` where their reduction
+    groups differ (expert parallelism), and sums them as one where they do not."""
+    if not tpi.active():
+        return wrapped(*args, **kwargs)
+    with scoped(_norm_owner, instance):
+        return _invariant_grad_norm(instance, instance.chained_optimizers[0].get_grad_stats_parallel_group())
+
+
+def _invariant_grad_norm(owner, stats_group) -> float:
+    """The 2-norm of every gradient the ``owner``'s optimizers step: each parameter's sum of squares
+    through the fixed tree along its partition dim, added in parameter order -- expert parameters
+    last, in (layer, global expert, parameter) order gathered over the EP ranks, which hold other
+    experts -- and with pipeline parallelism the stages' totals in stage order."""
     from megatron.core import parallel_state
     from megatron.core.transformer.module import param_is_not_shared
 
     optimizers = _optimizers(owner)
     distributed = any(_is_distributed(o) for o in optimizers)
     tp_group = getattr(owner, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
-    stages = _pipeline_stages(argument(args, kwargs, 2, "grad_stats_parallel_group", None), tp_group,
-                              distributed)
-    grads, dims, halves = [], [], []
+    stages = _pipeline_stages(stats_group, tp_group, distributed)
+    grads, dims, halves, keys = [], [], [], []
     for optimizer in optimizers:
-        gated = _gated_halves(optimizer)
+        model_of = _model_params(optimizer)
         if _is_distributed(optimizer):
             pairs = _distributed_grads(optimizer)
         else:
@@ -622,17 +771,42 @@ def _grad_norm_fp32(wrapped, instance, args, kwargs):
         for param, grad in pairs:
             if grad is None or not param_is_not_shared(param):
                 continue
+            model = model_of.get(id(param), param)
             grads.append(grad)
             dims.append(param.partition_dim if getattr(param, "tensor_model_parallel", False) else None)
-            halves.append(gated.get(id(param), getattr(param, _GATED, 1)))
+            halves.append(getattr(model, _GATED, 1))
+            keys.append(getattr(model, _EXPERT_KEY, None))
+    squares = tpi.squared_norms(grads, dims, tp_group, halves)
     total = torch.zeros((), dtype=torch.float32)
-    for value in tpi.squared_norms(grads, dims, tp_group, halves).unbind(0):  # in parameter order
+    for value, key in zip(squares.unbind(0), keys):  # in parameter order
+        if key is None:
+            total = total + value
+    for value in _expert_squares(squares, keys):
         total = total + value
     if stages is not None:  # every TP rank of a stage holds the same total: add the stages in order
         per_stage = [torch.empty_like(total) for _ in range(stages.size())]
         torch.distributed.all_gather(per_stage, total, group=stages)
         total = functools.reduce(torch.add, per_stage)
     return total.item() ** 0.5
+
+
+def _expert_squares(squares, keys):
+    """The expert parameters' sums of squares of every EP rank, in key order."""
+    mine = [i for i, key in enumerate(keys) if key is not None]
+    if not mine:
+        return []
+    from megatron.core import parallel_state
+
+    values, key_rows = squares[mine], torch.tensor([keys[i] for i in mine], dtype=torch.long)
+    group = parallel_state.get_expert_model_parallel_group()
+    if tpi.group_size(group) > 1:
+        every_value = [torch.empty_like(values) for _ in range(group.size())]
+        every_key = [torch.empty_like(key_rows) for _ in range(group.size())]
+        torch.distributed.all_gather(every_value, values.contiguous(), group=group)
+        torch.distributed.all_gather(every_key, key_rows, group=group)
+        values, key_rows = torch.cat(every_value), torch.cat(every_key)
+    order = sorted(range(len(values)), key=lambda i: tuple(key_rows[i].tolist()))
+    return [values[i] for i in order]
 
 
 def _pipeline_stages(stats_group, tp_group, distributed: bool):
@@ -736,12 +910,16 @@ PATCHES = (
         name="tp_invariant.moe",
         summary="MoE routers under tp_invariant: the gating GEMM and top-k per token block, the gate's weight "
                 "gradient through the token tree (experts: tp_invariant.tensor_parallel, tp_invariant.mlp)",
-        hook=ROUTER,
+        hook=MOE_LAYER,
         targets=(
             Target(ROUTER, "Router.gating", _router_gating, kind="method", params=("self", "input")),
             Target(ROUTER, "TopKRouter.routing", _router_routing, kind="method", params=("self", "logits")),
             Target(MOE_UTILS, "topk_routing_with_score_function", _per_token_blocks, params=("logits", "topk")),
             Target(MOE_UTILS, "compute_routing_scores_for_aux_loss", _per_token_blocks, params=("logits", "topk")),
+            Target(DISPATCHER, "MoEAlltoAllTokenDispatcher.dispatch_postprocess", _alltoall_dispatch_postprocess,
+                   kind="method", params=("self", "global_input_tokens", "global_probs")),
+            Target(DISPATCHER, "MoEAlltoAllTokenDispatcher.combine_preprocess", _alltoall_combine_preprocess,
+                   kind="method", params=("self", "hidden_states")),
         ),
     ),
     _invariant_patch(
@@ -772,7 +950,7 @@ PATCHES = (
                    params=("self",)),
             Target(OPTIMIZER, "MegatronOptimizer.clip_grad_norm", _norm_owner_scope, kind="method",
                    params=("self", "clip_grad")),
-            Target(OPTIMIZER, "ChainedOptimizer.get_grad_norm", _norm_owner_scope, kind="method",
+            Target(OPTIMIZER, "ChainedOptimizer.get_grad_norm", _chained_grad_norm, kind="method",
                    params=("self",)),
         ),
     ),

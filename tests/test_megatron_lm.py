@@ -692,11 +692,12 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
     """pretrain_gpt.py with MoE flags at TP 1/2/4 and EP 2, both dispatchers, in every mode: each
     trains, the job log names the MoE coverage, FP32 logits reach the loss under logits_dtype=fp32;
     fp32's first-step per-token losses at TP 2 and 4 sit far closer to TP 1's than native's do.
-    tp_invariant (issue 26) refuses the model before the first step, naming the flag."""
-    refused, _ = _moe_run(checkout, 2, "tp_invariant")
+    tp_invariant (issue 26) refuses expert parallelism before the first step, naming the flag
+    (expert TP = TP runs, below)."""
+    refused, _ = _moe_run(checkout, 2, "tp_invariant", ep=2)
     assert refused.returncode != 0 and not refused.losses, refused.tail()
     assert "megapatch tp_invariant=True does not support" in refused.log, refused.tail()
-    assert "--num-experts" in refused.log, refused.tail()
+    assert "--expert-model-parallel-size" in refused.log, refused.tail()
     runs = {
         "tp1-native": _moe_run(checkout, 1, "native"), "tp1-fp32": _moe_run(checkout, 1, "fp32"),
         "tp2-native": _moe_run(checkout, 2, "native"), "tp2-fp32": _moe_run(checkout, 2, "fp32"),
@@ -719,3 +720,28 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
         print(f"MoE first-step per-token loss drift from TP=1, TP={tp}: {drift}")  # results/moe.md
         assert drift["native"] > 0, f"native TP={tp} gave TP=1's losses: the comparison cannot tell"
         assert drift["fp32"] < 0.05 * drift["native"], (tp, drift)
+
+
+@pytest.mark.slow
+def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4(checkout):
+    """Issue 26: pretrain_gpt.py with the scaled-down Qwen3-30B-A3B MoE flags (QK norm, top-2
+    softmax routing, aux and z losses, SwiGLU experts), alltoall dispatcher, expert TP = TP and
+    sequence parallelism at TP > 1: under tp_invariant TP 1, 2 and 4 print the same losses and grad
+    norms, and give the same per-token losses, full-precision grad norms and replicated gradients
+    (norms, QK norms, the routers' gates) at every step; native TP 2 drifts from TP 1 (the MoE test
+    above: the comparison can fail)."""
+    _tp_invariant_revision(checkout)
+    found = {}
+    for tp in (1, 2, 4):  # 4 KV groups: whole groups at TP 4
+        flags = mlm.tiny_gpt_flags(tp=tp, heads=8, sequence_parallel=tp > 1, iters=ITERS, vocab=255, extra=(
+            *MOE_FLAGS, "--num-query-groups", "4", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type",
+            "alltoall", "--expert-tensor-parallel-size", str(tp)))
+        label = f"moe-tp{tp}-tp_invariant"
+        run, probes = _run(checkout, label, flags, nproc=tp, megapatch_env=MOE_MODES["tp_invariant"])
+        found[tp] = (_trained(run, ITERS), _grad_norms(run), [r["loss"] for r in probes[0]],
+                     _recorded_norms(checkout, label), _recorded_norms(checkout, label, "replicated_grads"))
+        assert "tp_invariant.moe" in run.log.split("patches active:")[1], run.tail()
+        assert len(found[tp][1]) == ITERS and found[tp][4] and all(found[tp][4]), run.tail()
+    doctor = _doctor(flags, MOE_MODES["tp_invariant"])
+    assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
+    assert found[1] == found[2] == found[4]

@@ -611,7 +611,7 @@ def test_combining_with_fp32_reductions_is_refused():
 
 
 @pytest.mark.parametrize("skipped", ["tp_invariant.tensor_parallel", "tp_invariant.mlp", "tp_invariant.grad_norm",
-                                     "tp_invariant.construction", "tp_invariant.distributed_optimizer"])
+                                     "tp_invariant.construction", "tp_invariant.distributed_optimizer", "tp_invariant.moe"])
 def test_opting_out_of_a_patch_the_guarantee_needs_is_refused(skipped):
     """MEGAPATCH_SKIP_PATCHES=tp_invariant.tensor_parallel once gave status OK and a run that was
     not invariant: now enable() and the doctor's resolution refuse it."""

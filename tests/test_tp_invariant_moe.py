@@ -19,15 +19,19 @@ from tests.test_tp_invariant import _differing, _needs_the_mode
 TPS = (1, 2, 4)
 STEPS = 3
 LOSSES = dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, num_query_groups=4)
-#: name -> (dispatcher, config overrides)
+#: name -> (dispatcher, config overrides, EP sizes); every layout at DP = 2 (world = 2 x TP), each
+#: data-parallel rank with its own batches
 VARIANTS = {
-    "alltoall": ("alltoall", LOSSES),
     # DeepSeek-style shared expert (no gate), reduced by the layer itself
-    "allgather-shared-experts": ("allgather", {**LOSSES, "moe_shared_expert_intermediate_size": 64}),
+    "alltoall-shared-expert": ("alltoall", {**LOSSES, "moe_shared_expert_intermediate_size": 64}, (1, 2)),
+    "allgather": ("allgather", LOSSES, (1,)),
 }
+LAYOUTS = {name: [(tp, ep) for tp in TPS for ep in eps] for name, (_, _, eps) in VARIANTS.items()}
 #: name -> (config overrides at TP 2, the flag the refusal must name)
 REFUSED = {
-    "expert parallelism": ({"expert_model_parallel_size": 2}, "--expert-model-parallel-size"),
+    "expert parallelism with the allgather dispatcher": (
+        {"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"}, "--expert-model-parallel-size"),
+    "one expert per EP rank": ({"expert_model_parallel_size": 2, "num_moe_experts": 2}, "--num-experts"),
     "grouped GEMM": ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
     "shared expert gate": ({"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True},
                            "--moe-shared-expert-gate"),
@@ -63,44 +67,54 @@ def _refusal(ctx, overrides):
     return None
 
 
-def _job(ctx):
+def _job(ctx, tp):
     out = {}
-    for name, (dispatcher, overrides) in VARIANTS.items():
-        runs = moe_tiny.invariant_training(ctx, TPS, dispatcher, steps=STEPS, config_overrides=overrides)
-        out.update({(name, tp): run for (_, tp), run in (runs or {}).items()})
-    native = moe_tiny.invariant_training(ctx, (1, 4), "alltoall", steps=0, modes=("native",),
-                                         config_overrides=LOSSES)
-    out.update({("native", tp): run for (_, tp), run in (native or {}).items()})
-    for name, (overrides, _) in REFUSED.items():
-        out[("refused", name)] = _refusal(ctx, overrides)
+    for name, (dispatcher, overrides, eps) in VARIANTS.items():
+        runs = moe_tiny.invariant_training(ctx, [(tp, ep) for ep in eps], dispatcher, steps=STEPS,
+                                           config_overrides=overrides)
+        out.update({(name, t, e): run for (_, t, e), run in (runs or {}).items()})
+    if tp in (1, 4):  # the precondition: without the mode a TP or an EP change changes the bits
+        native = moe_tiny.invariant_training(ctx, [(tp, 1), (tp, 2)], "alltoall", steps=0, modes=("native",),
+                                             config_overrides=LOSSES)
+        out.update({("native", t, e): run for (_, t, e), run in (native or {}).items()})
+    if tp == 2:
+        for name, (overrides, _) in REFUSED.items():
+            out[("refused", name)] = _refusal(ctx, overrides)
     return out if ctx.rank == 0 else None
 
 
 @pytest.fixture(scope="module")
 def runs():
     _needs_the_mode()
-    return run_ranks(_job, world_size=4, tp=1, timeout=900)[0]
+    found = {}
+    for tp in TPS:
+        found.update(run_ranks(_job, world_size=2 * tp, tp=1, timeout=900, args=(tp,))[0])
+    return found
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("tp", TPS[1:])
-def test_moe_logits_expert_choices_losses_and_gradients_are_bit_identical_to_tp1(runs, variant, tp):
-    base, here = runs[(variant, 1)], runs[(variant, tp)]
+def _layouts():
+    return [(name, tp, ep) for name, layouts in LAYOUTS.items() for tp, ep in layouts if (tp, ep) != (1, 1)]
+
+
+@pytest.mark.parametrize("variant,tp,ep", _layouts())
+def test_moe_logits_expert_choices_losses_and_gradients_are_bit_identical_to_tp1_ep1(runs, variant, tp, ep):
+    base, here = runs[(variant, 1, 1)], runs[(variant, tp, ep)]
     assert torch.equal(here["logits"], base["logits"])
     assert len(base["routing"]) == 2 and all(torch.equal(a, b) for a, b in zip(here["routing"], base["routing"]))
     assert torch.equal(here["losses"], base["losses"])
     assert here["grads"].keys() == base["grads"].keys() and len(base["grads"]) >= 45
-    assert any("router" in name for name in base["grads"]) and any("local_experts" in name for name in base["grads"])
+    assert any("router" in name for name in base["grads"])
+    assert sum("local_experts" in name for name in base["grads"]) == 2 * 8 * 2  # every expert's, over EP
     assert _differing(here["grads"], base["grads"]) == []
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("tp", TPS[1:])
-def test_moe_grad_norms_and_parameters_after_clipped_adamw_steps_are_bit_identical_to_tp1(runs, variant, tp):
-    base, here = runs[(variant, 1)], runs[(variant, tp)]
+@pytest.mark.parametrize("variant,tp,ep", _layouts())
+def test_moe_grad_norms_parameters_and_adam_states_after_clipped_adamw_steps_are_bit_identical(runs, variant, tp, ep):
+    base, here = runs[(variant, 1, 1)], runs[(variant, tp, ep)]
     assert len(base["norms"]) == STEPS + 1 and min(base["norms"]) > moe_tiny_clip()  # clipping scaled every step
     assert here["norms"] == base["norms"]
     assert _differing(here["params"], base["params"]) == []
+    assert len(base["adam"]) == 2 * len(base["params"]) and _differing(here["adam"], base["adam"]) == []
 
 
 def moe_tiny_clip() -> float:
@@ -109,11 +123,15 @@ def moe_tiny_clip() -> float:
     return inspect.signature(moe_tiny.invariant_training).parameters["clip"].default
 
 
-def test_precondition_without_the_mode_tp_changes_the_bits_and_expert_choices(runs):
-    base, here = runs[("native", 1)], runs[("native", 4)]
-    assert not torch.equal(here["logits"], base["logits"])
-    assert any(not torch.equal(a, b) for a, b in zip(here["routing"], base["routing"]))
-    assert len(_differing(here["grads"], base["grads"])) > 40
+def test_precondition_without_the_mode_a_tp_or_ep_change_changes_the_bits(runs):
+    base = runs[("native", 1, 1)]
+    tp4 = runs[("native", 4, 1)]
+    assert not torch.equal(tp4["logits"], base["logits"])
+    assert any(not torch.equal(a, b) for a, b in zip(tp4["routing"], base["routing"]))
+    assert len(_differing(tp4["grads"], base["grads"])) > 40
+    ep2 = runs[("native", 1, 2)]  # the experts' weight gradients sum the two DP ranks' tokens otherwise
+    assert {name for name in _differing(ep2["grads"], base["grads"])} >= {
+        name for name in base["grads"] if "local_experts" in name}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -131,13 +149,16 @@ MOE_FLAGS = ["--tensor-model-parallel-size", "2", "--num-attention-heads", "8", 
 
 @pytest.mark.parametrize("extra,refused", [
     ([], None),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+    (["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2"], None),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),  # allgather: Megatron-LM's default
+    (["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "8"], "--num-experts"),
     (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
     (["--moe-permute-fusion"], "--moe-permute-fusion"),
     (["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate"], "--moe-shared-expert-gate"),
     (["--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size"),
     (["--moe-ffn-hidden-size", "36"], "--moe-ffn-hidden-size"),
-], ids=["covered", "ep", "flex", "permute-fusion", "shared-gate", "etp", "ffn"])
+], ids=["covered", "alltoall-ep", "allgather-ep", "one-expert-per-ep-rank", "flex", "permute-fusion",
+        "shared-gate", "etp", "ffn"])
 def test_doctor_refuses_the_moe_flags_the_run_refuses(extra, refused):
     from tests.test_doctor import _cli
 
@@ -153,7 +174,10 @@ def test_doctor_refuses_the_moe_flags_the_run_refuses(extra, refused):
 def test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_size():
     """Ties are broken the same way everywhere because every top-k call sees the same rows: W token
     blocks at TP=1, W/t per rank with sequence parallelism (here 8 blocks of 4 tokens); the padding
-    mask is cut with its tokens; a replayed routing takes its recorded indices in one call."""
+    mask is cut with its tokens; under a router-replay action (recording or replaying) the call
+    stays whole, as upstream records one tensor of indices per call."""
+    import types
+
     import megapatch
     from megapatch.patches import tp_invariant
 
@@ -175,7 +199,12 @@ def test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_
             _, masked = tp_invariant._per_token_blocks(routing, None, (logits, 2), {"padding_mask": mask})
             assert torch.equal(masked[:, 0], mask) and len(calls) == 8
             calls.clear()
-            tp_invariant._per_token_blocks(routing, None, (logits, 2), {"router_replay": object()})
+            replay = types.SimpleNamespace(router_replay_action=None)  # built in, no action: blocks
+            tp_invariant._per_token_blocks(routing, None, (logits, 2), {"router_replay": replay})
+            assert len(calls) == 8
+            calls.clear()
+            replay.router_replay_action = "record"
+            tp_invariant._per_token_blocks(routing, None, (logits, 2), {"router_replay": replay})
             assert len(calls) == 1
     finally:
         megapatch.disable()

@@ -192,7 +192,6 @@ def _config(**overrides):
     ("bias_activation_fusion", True, "--no-bias-gelu-fusion"),  # a GELU model: its flag only
     ("use_te_activation_func", True, "--use-te-activation-func"),
     ("defer_embedding_wgrad_compute", True, "--defer-embedding-wgrad-compute"),
-    ("num_moe_experts", 4, "--num-experts"),
     ("num_query_groups", 1, "--num-query-groups"),
     ("cross_entropy_loss_fusion", True, "--cross-entropy-loss-fusion"),
 ])
@@ -207,6 +206,25 @@ def test_each_uncovered_config_field_is_refused_alone(invariant, field, value, f
     with pytest.raises(UnsupportedConfigurationError, match=f"does not support {field}"):
         patch._check_config(_config(**{field: value}))
     assert flag in patch._preflight_model(_config(**{field: value}))
+
+
+@pytest.mark.quick("tp_invariant.construction")
+def test_expert_layers_are_covered_and_their_uncovered_fields_refused_only_with_experts(invariant):
+    """Issue 26: a MoE model (expert TP = TP) is accepted; its uncovered settings are refused with
+    the flag, and the same settings on a dense model are not."""
+    from megapatch.patches import tp_invariant as patch
+
+    moe = dict(num_moe_experts=8, moe_ffn_hidden_size=32, expert_tensor_parallel_size=2, add_bias_linear=False,
+               moe_token_dispatcher_type="alltoall")
+    assert patch._config_refusals(_config(**moe)) == []
+    for field, value, flag in (("expert_model_parallel_size", 2, "--expert-model-parallel-size"),
+                               ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type"),
+                               ("expert_tensor_parallel_size", 1, "--expert-tensor-parallel-size"),
+                               ("add_bias_linear", True, "--disable-bias-linear"),
+                               ("moe_ffn_hidden_size", 36, "--moe-ffn-hidden-size")):
+        refusals = patch._config_refusals(_config(**{**moe, field: value}))
+        assert len(refusals) == 1 and flag in refusals[0][0], (field, refusals)
+        assert patch._config_refusals(_config(**{field: value})) == [], field
 
 
 @pytest.mark.quick("tp_invariant.construction")
@@ -650,7 +668,8 @@ def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are
 
 def test_a_gated_fc1_is_marked_and_found_through_an_optimizers_fp32_copies():
     """``_mark_gated_fc1`` marks a SwiGLU fc1's weight and bias (only for a gated linear unit);
-    ``_gated_halves`` finds the FP32 main copies a mixed-precision optimizer made of them."""
+    ``_model_params`` finds the model parameter of each FP32 main copy a mixed-precision optimizer
+    made (where the mark is read)."""
     from megapatch.patches import tp_invariant as patch
 
     def fc1(config, bias=True):
@@ -668,9 +687,11 @@ def test_a_gated_fc1_is_marked_and_found_through_an_optimizers_fp32_copies():
         float16_groups=[[gated.linear_fc1.weight, plain.linear_fc1.weight],
                         [plain.linear_fc1.bias, gated.linear_fc1.bias]],
         fp32_from_float16_groups=[mains[:2], mains[2:]])
-    assert patch._gated_halves(optimizer) == {id(mains[0]): 2, id(mains[3]): 2}
-    assert patch._gated_halves(SimpleNamespace()) == {}
-    assert patch._gated_halves(SimpleNamespace(float16_groups=None, fp32_from_float16_groups=None)) == {}
+    model_of = patch._model_params(optimizer)
+    assert {i for i, p in model_of.items() if getattr(p, patch._GATED, 1) == 2} == {id(mains[0]), id(mains[3])}
+    assert model_of[id(mains[1])] is plain.linear_fc1.weight and model_of[id(mains[2])] is plain.linear_fc1.bias
+    assert patch._model_params(SimpleNamespace()) == {}
+    assert patch._model_params(SimpleNamespace(float16_groups=None, fp32_from_float16_groups=None)) == {}
 
 
 def test_the_grad_norm_reads_its_stats_group_at_upstreams_position(invariant, monkeypatch):

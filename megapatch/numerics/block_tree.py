@@ -21,7 +21,8 @@ else must be the same.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import dataclasses
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed import distributed_c10d as c10d
@@ -162,6 +163,60 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t.clone()
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenSources:
+    """Where a routed expert's input rows come from, for the GEMMs on them and the sum of its weight
+    gradient over them: ``counts[i]`` consecutive rows from data-parallel rank ``leaves[i]`` (that
+    rank's tokens routed to this expert, in sequence order), in this rank's row order; ``group``:
+    the ranks that hold the same expert weights and receive the other data-parallel ranks' rows
+    (expert data parallel); ``total``: the data-parallel size, the number of leaves of the tree."""
+
+    counts: Tuple[int, ...]
+    leaves: Tuple[int, ...]
+    group: Any
+    total: int
+
+    def segments(self) -> List[slice]:
+        found, start = [], 0
+        for n in self.counts:
+            found.append(slice(start, start + n))
+            start += n
+        return found
+
+
+def _segments(sources: Optional[TokenSources], rows: int) -> List[slice]:
+    return [slice(0, rows)] if sources is None else sources.segments()
+
+
+def _by_source(f, sources: Optional[TokenSources], rows: int) -> torch.Tensor:
+    """``f(rows)`` over each source's rows (all rows without sources), concatenated: every GEMM on an
+    expert's tokens sees one data-parallel rank's tokens, however many ranks' an EP rank received."""
+    parts = [f(rows_) for rows_ in _segments(sources, rows)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def source_sum(parts: Sequence[torch.Tensor], sources: TokenSources) -> torch.Tensor:
+    """An expert weight gradient from its per-source FP32 partials (one per entry of
+    ``sources.counts``): the partials of every data-parallel rank's tokens, gathered over the
+    expert-data-parallel ``group``, added in one fixed tree in data-parallel rank order, kept on the
+    group's rank 0 (``on_root``: upstream's DDP then all-reduces expert gradients over that group).
+    The same bits whichever EP rank received which data-parallel rank's tokens."""
+    local = torch.stack(list(parts))
+    leaves = torch.tensor(sources.leaves, dtype=torch.long)
+    n = group_size(sources.group)
+    if n > 1:
+        gathered = torch.empty((n * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+        _all_gather_single(gathered, local.contiguous(), group=sources.group)
+        every = torch.empty(n * leaves.numel(), dtype=torch.long)
+        _all_gather_single(every, leaves, group=sources.group)
+        local, leaves = gathered, every
+    order = sorted(range(leaves.numel()), key=lambda i: int(leaves[i]))
+    if [int(leaves[i]) for i in order] != list(range(sources.total)):
+        raise ValueError(f"expert gradient sources {sorted(leaves.tolist())} do not cover the "
+                         f"{sources.total} data-parallel ranks once each")
+    return on_root(tree_sum([local[i] for i in order]), sources.group)
+
+
 class ColumnParallel(torch.autograd.Function):
     """A column-parallel linear (output dim split over TP), optionally summing dgrad over TP.
 
@@ -173,14 +228,18 @@ class ColumnParallel(torch.autograd.Function):
     ``on_root``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None, halves=1, dgrad_on_root=False):
+    def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None, halves=1, dgrad_on_root=False,
+                sources=None):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
-        ctx.halves, ctx.dgrad_on_root = halves, dgrad_on_root
-        x2 = operand(x.reshape(-1, x.shape[-1]))
+        ctx.halves, ctx.dgrad_on_root, ctx.sources = halves, dgrad_on_root, sources
+        xs = x.reshape(-1, x.shape[-1])
+        x2 = operand(xs) if sources is None else None
         outs = []
         for sl in column_blocks(weight.shape[0], nb, halves)[0]:
-            out = product(x2, operand(weight[sl]).t())
+            w = operand(weight[sl]).t()
+            out = (product(x2, w) if sources is None
+                   else _by_source(lambda rows: product(operand(xs[rows]), w), sources, xs.shape[0]))
             if bias is not None:
                 out = out + f32(bias[sl])
             outs.append(out.view(*x.shape[:-1], out.shape[-1]))
@@ -189,16 +248,19 @@ class ColumnParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        x2 = operand(x.reshape(-1, x.shape[-1]))
+        sources = ctx.sources
+        x2 = operand(x.reshape(-1, x.shape[-1])) if sources is None else x.reshape(-1, x.shape[-1])
         g2 = grad.reshape(-1, grad.shape[-1])
         partials, wgrads, bgrads = [], [], []
         layout, tree = column_blocks(weight.shape[0], ctx.nb, ctx.halves)
         if ctx.needs_input_grad[0]:
-            partials = [product(operand(g2[:, sl]), operand(weight[sl])) for sl in tree]
+            partials = [_by_source(lambda rows, sl=sl: product(operand(g2[rows, sl]), operand(weight[sl])),
+                                   sources, g2.shape[0]) for sl in tree]
         for sl in layout:
             gb = operand(g2[:, sl])
             if ctx.needs_input_grad[1]:
-                wgrads.append(product(gb.t(), x2))
+                wgrads.append(product(gb.t(), x2) if sources is None else
+                              [product(operand(g2[rows, sl]).t(), operand(x2[rows])) for rows in sources.segments()])
             if ctx.has_bias:
                 bgrads.append(gb.sum(dim=0, dtype=torch.float32))
         dgrad = wgrad = bgrad = None
@@ -207,11 +269,13 @@ class ColumnParallel(torch.autograd.Function):
             dgrad = invariant_sum(partials, group, x.dtype).view(x.shape)
             if ctx.dgrad_on_root:
                 dgrad = on_root(dgrad, group)
-        if wgrads:
+        if wgrads and sources is not None:  # per source: the blocks' wgrads, then the sources' tree
+            wgrad = source_sum([torch.cat(blocks, dim=0) for blocks in zip(*wgrads)], sources).to(weight.dtype)
+        elif wgrads:
             wgrad = torch.cat(wgrads, dim=0).to(weight.dtype)
         if bgrads:
             bgrad = torch.cat(bgrads).to(weight.dtype)
-        return dgrad, wgrad, bgrad, None, None, None, None, None, None
+        return dgrad, wgrad, bgrad, None, None, None, None, None, None, None
 
 
 class RowParallel(torch.autograd.Function):
@@ -225,11 +289,12 @@ class RowParallel(torch.autograd.Function):
     upstream's gather, still reaches every rank's blocks."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, nb, on_root_only=False):
+    def forward(ctx, x, weight, group, nb, on_root_only=False, sources=None):
         ctx.save_for_backward(x, weight)
-        ctx.nb = nb
+        ctx.nb, ctx.sources = nb, sources
         x2 = x.reshape(-1, x.shape[-1])
-        partials = [product(operand(x2[:, sl]), operand(weight[:, sl]).t()).view(*x.shape[:-1], weight.shape[0])
+        partials = [_by_source(lambda rows, sl=sl: product(operand(x2[rows, sl]), operand(weight[:, sl]).t()),
+                               sources, x2.shape[0]).view(*x.shape[:-1], weight.shape[0])
                     for sl in slices(weight.shape[1], nb)]
         out = _owned(invariant_sum(partials, group, x.dtype))
         return on_root(out, group) if on_root_only else out
@@ -237,17 +302,26 @@ class RowParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        sources = ctx.sources
         x2 = x.reshape(-1, x.shape[-1])
-        g2 = operand(grad.reshape(-1, grad.shape[-1]))
+        g2 = grad.reshape(-1, grad.shape[-1])
+        g2 = operand(g2) if sources is None else g2
         dgrads, wgrads = [], []
         for sl in slices(weight.shape[1], ctx.nb):
             if ctx.needs_input_grad[0]:
-                dgrads.append(product(g2, operand(weight[:, sl])))
+                dgrads.append(product(g2, operand(weight[:, sl])) if sources is None else
+                              _by_source(lambda rows: product(operand(g2[rows]), operand(weight[:, sl])),
+                                         sources, g2.shape[0]))
             if ctx.needs_input_grad[1]:
-                wgrads.append(product(g2.t(), operand(x2[:, sl])))
+                wgrads.append(product(g2.t(), operand(x2[:, sl])) if sources is None else
+                              [product(operand(g2[rows]).t(), operand(x2[rows, sl])) for rows in sources.segments()])
         dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
-        wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype) if wgrads else None
-        return dgrad, wgrad, None, None, None
+        wgrad = None
+        if wgrads and sources is not None:  # per source: the blocks' wgrads, then the sources' tree
+            wgrad = source_sum([torch.cat(blocks, dim=-1) for blocks in zip(*wgrads)], sources).to(weight.dtype)
+        elif wgrads:
+            wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype)
+        return dgrad, wgrad, None, None, None, None
 
 
 def on_root(total: torch.Tensor, group) -> torch.Tensor:

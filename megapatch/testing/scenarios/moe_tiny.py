@@ -17,7 +17,7 @@ asked, the loss and unsharded gradients.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -201,42 +201,84 @@ def sum_tp_replicated_grads(ctx, model) -> None:
             torch.distributed.all_reduce(param.grad, group=group)
 
 
-def invariant_training(ctx, tps: Sequence[int], dispatcher: str, steps: int = 3, clip: float = 0.05,
-                       modes: Sequence[str] = ("tp_invariant",), config_overrides: Optional[Dict[str, Any]] = None):
-    """Per mode and TP size (expert TP = TP, EP = 1; sequence parallelism at TP > 1): step 0's
-    logits, every router's expert choices, per-token losses and unsharded gradients, then ``steps``
-    clipped AdamW steps (megatron's BF16 optimizer): their grad norms and the parameters after
-    them. ``tp_invariant``: megapatch's mode; ``native``: megapatch off (the precondition)."""
+def reduce_data_parallel_grads(model) -> None:
+    """What megatron-core's DDP does with the gradients at the end of a step (this harness trains
+    without its wrapper): scaled by 1 / DP and summed over the data-parallel group, expert
+    parameters (``allreduce=False``) over the expert-data-parallel group."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    if dp == 1:
+        return
+    groups = {True: parallel_state.get_data_parallel_group(),
+              False: parallel_state.get_expert_data_parallel_group()}
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(1.0 / dp)
+            group = groups[getattr(param, "allreduce", True)]
+            if group.size() > 1:
+                torch.distributed.all_reduce(param.grad, group=group)
+
+
+def _over_experts(found: Dict[str, torch.Tensor], local: int) -> Dict[str, torch.Tensor]:
+    """Tensors keyed by parameter name, local expert indices (``local`` experts per EP rank) made
+    global, gathered over the EP group."""
+    from megatron.core import parallel_state
+
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    mine = {_global_expert_name(name, first): value for name, value in found.items()}
+    group = parallel_state.get_expert_model_parallel_group()
+    if group.size() == 1:
+        return mine
+    every: list = [None] * group.size()
+    torch.distributed.all_gather_object(every, mine, group=group)
+    return {name: value for part in every for name, value in part.items()}
+
+
+def invariant_training(ctx, layouts: Sequence[Tuple[int, int]], dispatcher: str, steps: int = 3,
+                       clip: float = 0.05, modes: Sequence[str] = ("tp_invariant",),
+                       config_overrides: Optional[Dict[str, Any]] = None):
+    """Per mode and (TP, EP) layout (expert TP = TP; sequence parallelism at TP > 1; DP = the world
+    size / TP, each data-parallel rank fed its own batches, gradients reduced as megatron's DDP
+    reduces them): step 0's logits, every router's expert choices and the per-token losses of
+    data-parallel rank 0, the unsharded gradients (every expert's, gathered over EP), then ``steps``
+    clipped AdamW steps (megatron's BF16 optimizer): their grad norms and the parameters and Adam
+    moments after them. ``tp_invariant``: megapatch's mode; ``native``: megapatch off."""
     import megapatch
+    from megatron.core import parallel_state
+
     from megapatch.testing.models.tiny_gpt import (
         build_bf16_optimizer, cuda_type_names, gather_full_grads, gather_full_weights, gather_tp_logits)
     from megapatch.testing.ranks.harness import _megatron_context
 
     out: Dict[Any, Any] = {}
     for mode in modes:
-        for tp in tps:
+        for tp, ep in layouts:
             megapatch.disable()
             if mode == "tp_invariant":
                 megapatch.enable(tp_invariant=True)
-            config = qwen3_moe_config(tp, dispatcher, **(config_overrides or {}))
-            model = build_full_then_shard(ctx, 1, config)
+            config = qwen3_moe_config(tp, dispatcher, expert_model_parallel_size=ep, **(config_overrides or {}))
+            model = build_full_then_shard(ctx, ep, config)
+            local = config.num_moe_experts // ep
             ctx = _megatron_context(ctx)  # the layout build_full_then_shard set up
+            dp_rank = parallel_state.get_data_parallel_rank()
             routing = _record_routing(model, ctx)
             optimizer = build_bf16_optimizer(model, clip_grad=clip)
             norms = []
             for step in range(steps + 1):
-                batch = make_batch_for_model(5 + step)
+                batch = make_batch_for_model(5 + step + 1000 * dp_rank)
                 optimizer.zero_grad()
                 routing.clear()
                 losses = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
                 losses.float().mean().backward()
                 sum_tp_replicated_grads(ctx, model)
+                reduce_data_parallel_grads(model)
                 if step == 0:
                     with torch.no_grad():
                         logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
                     entry = {"logits": gather_tp_logits(logits, ctx).float(), "losses": losses.detach().float(),
                              "routing": [r.clone() for r in routing[-config.num_layers:]],
-                             "grads": gather_full_grads(model, ctx)}
+                             "grads": _over_experts(gather_full_grads(model, ctx), local)}
                     if not steps:
                         break
                 with cuda_type_names():
@@ -244,7 +286,28 @@ def invariant_training(ctx, tps: Sequence[int], dispatcher: str, steps: int = 3,
                 assert ok
                 norms.append(norm)
             entry["norms"] = norms
-            entry["params"] = {n: p.float() for n, p in gather_full_weights(model, ctx).items()}
-            out[(mode, tp)] = entry
+            entry["params"] = _over_experts({n: p.float() for n, p in gather_full_weights(model, ctx).items()}, local)
+            entry["adam"] = _over_experts(adam_states(model, optimizer, ctx), local) if steps else {}
+            out[(mode, tp, ep)] = entry
     megapatch.disable()
     return out if ctx.rank == 0 else None
+
+
+def adam_states(model, optimizer, ctx) -> Dict[str, torch.Tensor]:
+    """Unsharded Adam moments after the last step, ``"<param>.exp_avg"`` / ``".exp_avg_sq"``: the
+    FP32 main copies megatron's BF16 optimizer steps (``fp32_from_float16_groups``) are matched to
+    their model parameters and gathered as those are (a gated fc1 as [gate; up])."""
+    import itertools
+
+    from megapatch.testing.models.tiny_gpt import _gather_param
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    pairs = zip(itertools.chain.from_iterable(optimizer.float16_groups),
+                itertools.chain.from_iterable(optimizer.fp32_from_float16_groups))
+    found = {}
+    for param, main in pairs:
+        state = optimizer.optimizer.state[main]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            found[f"{names[id(param)]}.{moment}"] = _gather_param(names[id(param)], state[moment], param, model,
+                                                                  ctx.tp_group).float()
+    return found
