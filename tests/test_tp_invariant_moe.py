@@ -208,3 +208,41 @@ def test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_
             assert len(calls) == 1
     finally:
         megapatch.disable()
+
+
+@pytest.mark.quick("tp_invariant.moe")
+def test_expert_gemms_run_per_source_data_parallel_rank_and_their_wgrad_adds_the_sources_in_rank_order(monkeypatch):
+    """With expert parallelism an EP rank receives several data-parallel ranks' tokens for an
+    expert: every forward GEMM on them sees one source's rows (the shapes that rank alone would
+    run), and the weight gradient adds the sources' FP32 partials in the fixed tree in data-parallel
+    rank order, whatever order the rows arrived in. Planted: partials 1, -1, 2^-24, 2^-24 from DP
+    ranks 0..3 give (1 + -1) + (2^-24 + 2^-24) = 2^-23 in rank order, 2^-24 in arrival order."""
+    from megapatch.numerics import block_tree as tpi
+
+    shapes = []
+    real = tpi.product
+    monkeypatch.setattr(tpi, "product", lambda a, b: shapes.append(tuple(a.shape)) or real(a, b))
+    x = torch.ones(6, 16)
+    weight = torch.randn(4, 16, requires_grad=True)
+    sources = tpi.TokenSources(counts=(1, 2, 1, 2), leaves=(0, 2, 1, 3), group=None, total=4)
+    out = tpi.ColumnParallel.apply(x, weight, None, None, False, 2, None, 1, False, sources)
+    assert {rows for rows, _ in shapes} == {1, 2} and len(shapes) == 2 * 4  # 2 column blocks x 4 sources
+    per_row = torch.tensor([1.0, 2.0 ** -25, 2.0 ** -25, -1.0, 2.0 ** -25, 2.0 ** -25])  # by source: 1, 2^-24, -1, 2^-24
+    out.backward(per_row[:, None].expand_as(out).contiguous())
+    assert torch.equal(weight.grad, torch.full_like(weight, 2.0 ** -23))
+
+
+@pytest.mark.quick("tp_invariant.grad_norm")
+def test_expert_squares_are_added_in_layer_expert_parameter_order(monkeypatch):
+    """The grad norm adds expert parameters by (layer, global expert, parameter) -- the order EP = 1
+    holds them in -- not in the order an EP rank lists its own (gathered: EP rank 0's experts of
+    every layer, then EP rank 1's)."""
+    from megatron.core import parallel_state
+
+    from megapatch.patches import tp_invariant
+
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_group", lambda: None)
+    keys = [None, (0, 0, 0), (1, 0, 0), (0, 1, 0), None, (1, 1, 0)]
+    squares = torch.arange(6, dtype=torch.float32)
+    assert [float(v) for v in tp_invariant._expert_squares(squares, keys)] == [1.0, 3.0, 2.0, 5.0]
+    assert tp_invariant._expert_squares(squares, [None] * 6) == []
