@@ -356,3 +356,44 @@ def test_transformer_engine_missing_is_said_first_before_any_megapatch_reason(mo
     plain = survey(flags)
     assert plain["flags"]["refusals"] == {} and plain["flags"]["stops"] and plain["result"]["code"] == 1
     assert survey(TINY + ["--no-bias-gelu-fusion"])["flags"]["stops"] == []  # --transformer-impl local
+
+
+# -- issue 28 item 8: survivors of the third fresh mutation sample (seed 30) -------------------------
+
+def test_a_flag_left_without_its_value_at_the_end_is_ignored_not_an_index_error():
+    """A command line cut short (``... --tensor-model-parallel-size``): the flag's earlier value, or its
+    default, counts; reading the flags must not raise (argparse itself would stop at that flag with
+    a usage error, which is the job's to report)."""
+    from megapatch.commands.megatron_lm_flags import config_from_flags
+
+    config = config_from_flags(["--tensor-model-parallel-size", "2", "--hidden-size", "64",
+                                "--tensor-model-parallel-size"])
+    assert (config.tensor_model_parallel_size, config.hidden_size) == (2, 64)
+    assert config_from_flags(["--num-attention-heads", "8", "--hidden-size"]).hidden_size is None
+
+
+def test_the_doctor_prints_the_stack_line_of_an_installed_megatron_bridge_in_and_outside_its_range(monkeypatch):
+    """Megatron-Bridge present (no test venv here has it): its line names the version and the range
+    megapatch was run under, with the untested-stack warning only outside that range."""
+    from megapatch.core import upstream_versions
+
+    real = upstream_versions.version_of
+    for version, warned in (("0.6.2", False), ("0.7.0", True)):
+        monkeypatch.setattr(upstream_versions, "version_of",
+                            lambda package, v=version: v if package == "megatron-bridge" else real(package))
+        result = survey()
+        assert result["stacks"]["megatron-bridge"]["version"] == version
+        [line] = [l for l in render_doctor(result).splitlines() if l.startswith("megatron-bridge ")]
+        assert line.startswith(f"megatron-bridge {version} (megapatch was run under >=0.6.2,<0.6.3)"), line
+        assert ("; WARNING: megatron-bridge 0.7.0 is outside the versions megapatch was run under" in line) == warned, line
+
+
+def test_the_after_import_line_names_every_patch_state_but_inactive():
+    """What the startup hook did, as a job would see it: the active patches and the one opted out,
+    none of the patches left inactive (their options were not asked for)."""
+    result = _cli(["doctor"], env={"MEGAPATCH_TP_REDUCE_DTYPE": "fp32",
+                                   "MEGAPATCH_SKIP_PATCHES": "tp_reduce.transformer_engine"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    [line] = [l for l in result.stdout.splitlines() if l.startswith("  after import: ")]
+    assert "tp_reduce.megatron_core active" in line and "tp_reduce.transformer_engine opted-out" in line, line
+    assert "inactive" not in line and "logits." not in line, line

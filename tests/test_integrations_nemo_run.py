@@ -164,3 +164,13 @@ def test_local_torchrun_job_trains_with_megapatch_on(nemorun_home, monkeypatch):
     assert len(done) == 1 and "logits_dtype=torch.bfloat16" in done[0], log[-3000:]
     assert "megapatch_enabled=False" in done[0]
     print(f"two NeMo-Run launches (plugin, control): {time.monotonic() - t0:.1f} s")
+
+
+def test_options_are_keyword_only_fields():
+    """MegapatchPlugin(tp_reduce_dtype="fp32"), never MegapatchPlugin("fp32"): a positional value
+    would land on whichever option comes first in the option table (issue 28 item 8, third fresh
+    sample)."""
+    with pytest.raises(TypeError, match="positional argument"):
+        MegapatchPlugin("fp32")
+    assert all(f.kw_only for f in MegapatchPlugin.__dataclass_fields__.values()
+               if f.name in {o.name for o in options.OPTIONS})

@@ -65,3 +65,16 @@ def test_other_exceptions_keep_their_traceback():
     result = run_python(_RAISE, env={"RANK": "0", "KIND": "other"})
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr and "ValueError: not megapatch's" in result.stderr
+
+
+def test_a_long_first_sentence_is_cut_to_exactly_the_short_length_with_an_ellipsis():
+    """Issue 28 item 8, third fresh sample: the short line's first sentence is at most
+    ``SHORT_CHARS`` characters, the ellipsis included, and a cut sentence uses all of them."""
+    words = " ".join(f"w{i:03d}" for i in range(60))  # 299 characters, no sentence end
+    error = UnsupportedConfigurationError(words + ". The rest.")
+    line = rank_errors.lines(error, 3)
+    shown = line[len("megapatch: UnsupportedConfigurationError: "):line.index(" (rank 3;")]
+    assert len(shown) == rank_errors.SHORT_CHARS == 120, (len(shown), shown)
+    assert shown == words[:117] + "...", shown
+    exact = "x" * 120
+    assert exact + " (rank 1;" in rank_errors.lines(UnsupportedConfigurationError(exact + ". More."), 1)

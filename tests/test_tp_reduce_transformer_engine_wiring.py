@@ -171,6 +171,37 @@ def test_check_reports_broken_wiring(te_wheels, name):
     assert any(expected in p for p in problems), f"{name}: {problems}"
 
 
+def test_a_helper_call_with_arguments_not_understood_leaves_the_later_calls_checked(te_wheels):
+    """The first reduce-helper call of linear.py gains an argument the wrapper does not understand, and
+    the backward's async handle is no longer waited on (issue 28 item 8, third fresh sample): both are
+    reported, and the row-parallel forward reductions after the bad call are still found."""
+    src = wiring.Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    name = "transformer_engine/pytorch/module/linear.py"
+    edited = src.with_edit(name, "out, _ = reduce_scatter_along_first_dim(out, tp_group)",
+                           "out, _ = reduce_scatter_along_first_dim(out, tp_group, op=None)")
+    edited = edited.with_edit(name, "dgrad_work.wait()", "dgrad_work.is_completed()")
+    problems = [p for p in wiring.check(edited, te_patch) if "module/linear.py" in p]
+    assert len(problems) == 3, problems
+    assert "reduce_scatter_along_first_dim called with arguments the wrapper does not understand" in problems[0]
+    assert all("handle 'dgrad_work' is not .wait()-ed" in p for p in problems[1:]), problems
+
+
+def test_the_fprop_gemms_positional_arguments_are_counted_against_out_dtypes_position(te_wheels):
+    """general_gemm(A, B, out_dtype, ...): the fprop GEMM of linear.py may pass B by keyword (fewer
+    positional arguments: still recognised), but not out_dtype by position (issue 28 item 8, third
+    fresh sample)."""
+    src = wiring.Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    name = "transformer_engine/pytorch/module/linear.py"
+    fprop = "        weightmat,\n        inputmat_total,\n        quantization_params=output_quantizer,\n" \
+            "        out_dtype=activation_dtype,\n"
+    by_keyword = src.with_edit(name, fprop, fprop.replace("        inputmat_total,", "        B=inputmat_total,"))
+    assert wiring.check(by_keyword, te_patch) == []
+    positional = src.with_edit(name, fprop, "        weightmat,\n        inputmat_total,\n        activation_dtype,\n"
+                                            "        quantization_params=output_quantizer,\n")
+    problems = wiring.check(positional, te_patch)
+    assert problems and all("passes 3 positional arguments (out_dtype must be a keyword)" in p for p in problems), problems
+
+
 def test_declared_wiring_and_targets_agree():
     """Each layer module has its forward, general_gemm and the three reduce helpers wrapped, by its
     own name, without alias rebinding; nothing is wrapped in transformer_engine.pytorch.distributed."""
@@ -318,6 +349,77 @@ def test_torch_compile_is_refused(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(UnsupportedConfigurationError, match="torch.compile"):
         _fake_layer(_FAIL_HELPERS).forward(_X, _W)
+
+
+def test_the_refusal_of_an_unreduced_accumulator_counts_the_gemms_reduced(monkeypatch):
+    """Two fprop GEMMs intercepted in one row-parallel forward, one of them reduced (issue 28 item 8,
+    third fresh sample): the message says 2 made, 1 reduced."""
+    megapatch.enable(tp_reduce_dtype="fp32")
+    monkeypatch.setattr(te_patch.c10d, "all_reduce", lambda tensor, group=None, async_op=False: None)
+    allreduce = wrapt.FunctionWrapper(_no_collective, _wrapper("allreduce"))
+    gemm = wrapt.FunctionWrapper(_cpu_general_gemm, _wrapper("general_gemm"))
+    fprop = dict(quantization_params=None, bias=None, use_split_accumulator=False, ub=None, ub_type=None,
+                 extra_output=None)
+
+    class TwoGemms:
+        parallel_mode, tp_size, tp_group = "row", 4, _FakeGroup()
+        ub_overlap_rs_fprop = ub_overlap_rs_dgrad = ub_bulk_wgrad = False
+
+        def forward(self, inp, weight):
+            first = gemm(weight, inp, out_dtype=inp.dtype, **fprop)[0]
+            second = gemm(weight, inp, out_dtype=inp.dtype, **fprop)[0]
+            allreduce(first, self.tp_group)
+            return second
+
+    TwoGemms.forward = wrapt.FunctionWrapper(TwoGemms.__dict__["forward"], _wrapper("Linear.forward"))
+    with pytest.raises(UpstreamSurfaceError, match=r"made 2 FP32-accumulator GEMM\(s\) but reduced 1:"):
+        TwoGemms().forward(_X, _W)
+
+
+class _StandinOp:
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+_STANDIN_OPS = {path: type(path.rpartition(".")[2], (_StandinOp,), {}) for path in te_patch.OPS_REDUCING}
+
+
+def _op(name, **attrs):
+    return next(cls for cls in _STANDIN_OPS.values() if cls.__name__ == name)(**attrs)
+
+
+class _GroupOf:
+    def __init__(self, n):
+        self.n = n
+
+
+def test_the_operation_fuser_is_refused_for_each_reducing_op_and_only_over_more_than_one_rank(monkeypatch):
+    """te.ops stand-ins of every op the fuser wrapper looks for (issue 28 item 8, third fresh sample):
+    an AllReduce, ReduceScatter or AllGather over a group of more than one rank is refused by name, as
+    is a split BasicLinear; over one rank, or with no process group initialised, they run."""
+    fuser_call = _wrapper("OperationFuser.__call__", te_patch.FUSER)
+    monkeypatch.setattr(te_patch, "_op_class", _STANDIN_OPS.get)
+    megapatch.enable(tp_reduce_dtype="fp32")
+
+    def call(*ops):
+        return fuser_call(lambda *a, **k: "ran", types.SimpleNamespace(_basic_ops=list(ops)), (_X,), {})
+
+    # no process group at all (a single-process job): nothing reduces, and nothing asks for a world size
+    assert not torch.distributed.is_initialized()
+    assert call(_op("AllReduce", process_group=None), _op("AllGather", process_group=None)) == "ran"
+    monkeypatch.setattr(te_patch.c10d, "is_initialized", lambda: True)
+    monkeypatch.setattr(te_patch.c10d, "get_world_size", lambda group=None: group.n)
+    assert call(_op("AllReduce", process_group=_GroupOf(1)), _op("ReduceScatter", process_group=_GroupOf(1)),
+                _op("AllGather", process_group=_GroupOf(1)),
+                _op("BasicLinear", tensor_parallel_mode="row", tensor_parallel_size=1)) == "ran"
+    for op, shown in ((_op("AllReduce", process_group=_GroupOf(2)), "AllReduce"),
+                      (_op("ReduceScatter", process_group=_GroupOf(2)), "ReduceScatter"),
+                      (_op("AllGather", process_group=_GroupOf(4)), "AllGather"),
+                      (_op("BasicLinear", tensor_parallel_mode="column", tensor_parallel_size=2),
+                       "BasicLinear(tensor_parallel_mode='column')")):
+        with pytest.raises(UnsupportedConfigurationError, match="operation fuser") as info:
+            call(_op("BasicLinear", tensor_parallel_mode=None, tensor_parallel_size=2), op)
+        assert f"(te.ops: {shown})" in str(info.value), str(info.value)
 
 
 # -- 2b. contracts on 4 gloo ranks: 256, 1, 1, -256 in BF16 --------------------------------------

@@ -29,7 +29,10 @@ MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits
          patches/logits_fp32_inference.py patches/fp8_align_transposes.py megapatch/te_check/verdict.py
          megapatch/core/startup.py megapatch/numerics/block_shapes.py megapatch/core/options.py
          patches/tp_reduce_moe.py megapatch/core/engine.py megapatch/core/wrappers.py megapatch/core/surface.py
-         megapatch/core/upstream_versions.py megapatch/core/report.py)
+         megapatch/core/upstream_versions.py megapatch/core/report.py
+         megapatch/commands/megatron_lm_flags.py megapatch/commands/doctor.py
+         patches/tp_reduce_transformer_engine.py megapatch/te_check/wiring.py
+         megapatch/integrations/nemo_run.py megapatch/core/rank_errors.py)
 [ $# -gt 0 ] && MODULES=("$@")
 
 tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout

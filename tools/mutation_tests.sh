@@ -218,6 +218,49 @@ case $module in
     "$T/test_doctor.py::test_status_and_doctor_do_not_print_the_activation_line"
     "$T/test_doctor.py::test_doctor_reports_versions_and_patches"
     "$T/test_worker_processes.py") ;;
+  megapatch/commands/megatron_lm_flags.py) tests=(
+    "$T/test_doctor.py::test_flags_translate_to_the_config_fields_megatron_lm_builds"
+    "$T/test_doctor.py::test_a_flag_given_twice_counts_at_its_last_occurrence_as_argparse_takes_it"
+    "$T/test_doctor.py::test_a_flag_left_without_its_value_at_the_end_is_ignored_not_an_index_error"
+    "$T/test_doctor.py::test_the_padded_vocabulary_refusal_names_it_and_the_flags_that_padded_it"
+    "$T/test_doctor.py::test_the_fused_activation_refusal_names_the_one_flag_of_the_models_activation"
+    "$T/test_doctor.py::test_transformer_engine_missing_is_said_first_before_any_megapatch_reason"
+    "$T/test_doctor.py::test_doctor_with_flags_the_mode_covers_says_so"
+    "$T/test_doctor.py::test_doctor_with_flags_names_every_refusal_its_flag_and_the_source"
+    "$T/test_doctor.py::test_doctor_refuses_transformer_engine_layers_by_default_and_arguments_without_the_separator"
+    "$T/test_doctor_agrees_with_run.py::test_the_doctor_refuses_what_the_run_refuses_at_construction"
+    "$T/test_doctor_agrees_with_run.py::test_a_megatron_lm_sequence_w_does_not_divide_is_refused_at_construction_with_sequence_parallelism"
+    "$T/test_doctor_agrees_with_run.py::test_transformer_engine_missing_stops_the_run_in_the_doctors_words_only_where_megapatch_is_active"
+    "$T/test_moe.py::test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does"
+    "$T/test_megatron_lm.py::test_doctor_reads_flags_as_megatron_lm_parses_them"
+    "$T/test_megatron_lm.py::test_doctor_refuses_several_distributed_optimizer_instances_for_the_mode") ;;
+  megapatch/commands/doctor.py) tests=(
+    "$T/test_doctor.py"
+    "$T/test_cli.py::test_help_documents_exit_codes"
+    "$T/test_bridge.py::test_doctor_names_both_logit_dtype_settings_and_exits_1"
+    "$T/test_doctor_agrees_with_run.py::test_the_doctor_refuses_what_the_run_refuses_at_construction"
+    "$T/test_doctor_agrees_with_run.py::test_transformer_engine_missing_stops_the_run_in_the_doctors_words_only_where_megapatch_is_active"
+    "$T/test_moe.py::test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does"
+    "$T/test_megatron_lm.py::test_doctor_refuses_several_distributed_optimizer_instances_for_the_mode"
+    "$T/test_install.py::test_doctor_reports_the_megatron_core_of_the_checkout") ;;
+  patches/tp_reduce_transformer_engine.py) tests=(
+    "$T/test_tp_reduce_transformer_engine_wiring.py"
+    "$T/test_tp_reduce_transformer_engine_oracles.py"
+    "$T/test_te_verdict.py"
+    "$T/test_hardening_engine.py::test_skip_patches_opts_one_patch_out_and_says_so"
+    "$T/test_hardening_engine.py::test_skip_patches_argument_removes_an_installed_patch"
+    "$T/test_doctor.py::test_doctor_reports_versions_and_patches") ;;
+  megapatch/te_check/wiring.py) tests=(
+    "$T/test_tp_reduce_transformer_engine_wiring.py::test_check_reports_broken_wiring"
+    "$T/test_tp_reduce_transformer_engine_wiring.py::test_release_is_wired_as_the_patch_relies_on"
+    "$T/test_tp_reduce_transformer_engine_wiring.py::test_every_target_is_checked_in_every_release"
+    "$T/test_tp_reduce_transformer_engine_wiring.py::test_declared_wiring_and_targets_agree"
+    "$T/test_tp_reduce_transformer_engine_wiring.py"
+    "$T/test_te_verdict.py") ;;
+  megapatch/integrations/nemo_run.py) tests=(
+    "$T/test_integrations_nemo_run.py") ;;
+  megapatch/core/rank_errors.py) tests=(
+    "$T/test_rank_errors.py") ;;
   *) echo "no tests listed for $module in $0" >&2; exit 2 ;;
 esac
 "$PYTHON" -m pytest -x -q -p no:cacheprovider --timeout=600 "${tests[@]}" || exit
