@@ -569,13 +569,16 @@ _MOE_REFUSED = {
 }
 
 
-def _moe_refusals(config) -> list:
-    """``[(what, why), ...]`` for a model with expert layers: the fields above, expert TP other
-    than TP, and the per-token loss scaling of the aux and z losses."""
+def _moe_refusals(config, layout=None) -> list:
+    """``[(what, why), ...]`` for a model with expert layers: the fields above, expert parallelism
+    with the allgather dispatcher or one expert per EP rank, expert TP other than TP, and the
+    per-token loss scaling of the aux and z losses. ``layout``: the (EP, expert TP) sizes the
+    model is built with where known (megatron's parallel state), else the config's."""
     if not getattr(config, "num_moe_experts", None):
         return []
     found = [r for r in (_field_refusal(config, field, _MOE_REFUSED) for field in _MOE_REFUSED) if r]
-    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    ep, etp = layout or (getattr(config, "expert_model_parallel_size", 1) or 1,
+                         getattr(config, "expert_tensor_parallel_size", None))
     if ep > 1 and getattr(config, "moe_token_dispatcher_type", None) == "allgather":
         found.append(_MOE_EP)
     if ep > 1 and config.num_moe_experts == ep:
@@ -584,7 +587,7 @@ def _moe_refusals(config) -> list:
                       "with one expert per EP rank the alltoall dispatcher keeps no per-source token counts, "
                       "which the mode needs to run each source's tokens as one block; use more experts than "
                       "EP ranks"))
-    tp, etp = block_shapes.tp_size(config), getattr(config, "expert_tensor_parallel_size", None)
+    tp = block_shapes.tp_size(config)
     if etp is not None and etp != tp:
         found.append((f"expert_tensor_parallel_size={etp} at TP {tp} (Megatron-LM: --expert-tensor-parallel-size)",
                       "the experts' TP sums are covered with expert TP = TP; with fewer expert TP ranks, "
@@ -608,13 +611,13 @@ def _field_refusal(config, field, table=None):
     return f"{field}={value} (Megatron-LM: {flag(config) if callable(flag) else flag})", why
 
 
-def _config_refusals(config, vocabulary=None, seq_length=None):
+def _config_refusals(config, vocabulary=None, seq_length=None, layout=None):
     """``[(what, why), ...]``: every config field the mode cannot cover, then the TP size against
     the width, every TP-split dimension the width does not divide (the sequence with sequence
     parallelism: ``seq_length`` where the config has none) and the padded ``vocabulary``
     (``block_shapes``; None: not known)."""
     found = [r for r in (_field_refusal(config, field) for field in _REFUSED_CONFIG) if r]
-    found += _moe_refusals(config)
+    found += _moe_refusals(config, layout)
     tp = block_shapes.tp_size(config)
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     if groups < tp:
@@ -638,9 +641,20 @@ def _check_config(config) -> None:
     # in a Megatron-LM job every stage's block refuses its padded vocabulary, naming the flags,
     # and (sequence parallelism) a --seq-length W does not divide, as the doctor does from the flags
     refusals = _config_refusals(config, block_shapes.megatron_lm_vocabulary(),
-                                block_shapes.megatron_lm_sequence_length(config))
+                                block_shapes.megatron_lm_sequence_length(config), _expert_layout())
     if refusals:
         _refuse(*refusals[0])
+
+
+def _expert_layout():
+    """``(EP, expert TP)`` of megatron's parallel state (what the layers are built with, whatever
+    the config says), or None before it is initialised."""
+    if _tp_group_if_initialised() is None:
+        return None
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size())
 
 
 def _preflight_model(config):

@@ -90,7 +90,8 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234):
                                       sequence_parallel=False)
     full = {k: v.detach().clone() for k, v in build(full_config, seed).state_dict().items()
             if not k.endswith("_extra_state")}
-    reinit_model_parallel(ctx, tp=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    etp = config.expert_tensor_parallel_size or tp
+    reinit_model_parallel(ctx, tp=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     model = build(config, seed)
     local = config.num_moe_experts // ep
     first = parallel_state.get_expert_model_parallel_rank() * local
@@ -100,7 +101,7 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234):
             rank = (parallel_state.get_expert_tensor_parallel_rank() if expert
                      else parallel_state.get_tensor_model_parallel_rank())
             source = full[_global_expert_name(name, first)]
-            param.copy_(_shard(source, param, name, config.gated_linear_unit, rank, tp))
+            param.copy_(_shard(source, param, name, config.gated_linear_unit, rank, etp if expert else tp))
     return model
 
 

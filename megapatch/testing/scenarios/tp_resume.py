@@ -51,16 +51,17 @@ def flags(tp: int, iters: int, extra: Sequence[str] = ()) -> List[str]:
     return mlm.tiny_gpt_flags(tp=tp, iters=iters, **MODEL, extra=[*EXTRA, *extra])
 
 
-def _launch(checkout: Path, workdir: Path, label: str, tp: int, iters: int, env: Mapping[str, str],
+def _launch(checkout: Path, workdir: Path, label: str, tp, iters: int, env: Mapping[str, str],
             save: Path, load: Optional[Path], save_interval: int, probe: str, timeout: float,
-            flags_extra: Sequence[str] = ()) -> ResumeRun:
+            flags_extra: Sequence[str] = (), layout: Optional["Layout"] = None) -> ResumeRun:
     probe_dir = workdir / "probes" / label
     probe_dir.mkdir(parents=True)
     extra = [*flags_extra, "--save", str(save), "--save-interval", str(save_interval)]
     if load is not None:
         extra += ["--load", str(load)]
-    run = mlm.launch(checkout, flags(tp, iters, extra), nproc=tp, megapatch_env=env, entry=[probe],
-                     timeout=timeout, extra_env={"MEGATRON_LM_PROBE_DIR": str(probe_dir)})
+    layout = layout or Layout()
+    run = mlm.launch(checkout, layout.flags(tp, iters, extra), nproc=layout.nproc(tp), megapatch_env=env,
+                     entry=[probe], timeout=timeout, extra_env={"MEGATRON_LM_PROBE_DIR": str(probe_dir)})
     (workdir / f"{label}.log").write_text(run.log)
     if run.returncode != 0:
         raise RuntimeError(f"{label}: {' '.join(run.command)} exited {run.returncode}\n{run.tail()}")
@@ -70,27 +71,48 @@ def _launch(checkout: Path, workdir: Path, label: str, tp: int, iters: int, env:
                      save / f"iter_{iters:07d}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a run's parallel layout becomes flags and ranks: by default a TP size (the GELU GPT of
+    ``MODEL`` on TP ranks); a caller's ``flags_for(layout, iters, extra)`` and ``nproc_for(layout)``
+    for other layouts and models (a MoE's ``(tp, ep)`` at a fixed data-parallel size)."""
+
+    flags_for: Optional[object] = None
+    nproc_for: Optional[object] = None
+
+    def flags(self, layout, iters: int, extra: Sequence[str]) -> List[str]:
+        return flags(layout, iters, extra) if self.flags_for is None else self.flags_for(layout, iters, extra)
+
+    def nproc(self, layout) -> int:
+        return layout if self.nproc_for is None else self.nproc_for(layout)
+
+
+def _name(layout) -> str:
+    return "x".join(map(str, layout)) if isinstance(layout, tuple) else str(layout)
+
+
 def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], *, probe: str,
-               train_tp: int = 2, resume_tps: Sequence[int] = (2, 4, 1), save_at: int = 3,
+               train_tp=2, resume_tps: Sequence = (2, 4, 1), save_at: int = 3,
                iters: int = 6, timeout: float = 600.0, label: str = "run",
-               start: Optional[Path] = None, extra: Sequence[str] = ()) -> Dict[str, ResumeRun]:
+               start: Optional[Path] = None, extra: Sequence[str] = (),
+               layout: Optional[Layout] = None) -> Dict[str, ResumeRun]:
     """``full``: ``iters`` iterations at ``train_tp``, saving at ``save_at`` and at the end;
     ``resume<t>``: from that run's ``save_at`` checkpoint (or ``start``, a directory holding one)
-    to ``iters`` at TP ``t``. ``extra``: more ``pretrain_gpt.py`` flags for every run (e.g.
-    ``--use-distributed-optimizer``)."""
+    to ``iters`` at TP ``t`` (a ``layout``'s layout: ``resume1x2`` for ``(1, 2)``). ``extra``: more
+    ``pretrain_gpt.py`` flags for every run (e.g. ``--use-distributed-optimizer``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     runs: Dict[str, ResumeRun] = {}
     if start is None:
         full = workdir / f"{label}-full"
         runs["full"] = _launch(checkout, workdir, f"{label}-full", train_tp, iters, env, full, None,
-                               save_at, probe, timeout, extra)
+                               save_at, probe, timeout, extra, layout)
         start = full
     for tp in resume_tps:
-        directory = workdir / f"{label}-resume{tp}"
+        directory = workdir / f"{label}-resume{_name(tp)}"
         shutil.copytree(start / f"iter_{save_at:07d}", directory / f"iter_{save_at:07d}")
         (directory / "latest_checkpointed_iteration.txt").write_text(str(save_at))
-        runs[f"resume{tp}"] = _launch(checkout, workdir, f"{label}-resume{tp}", tp, iters, env,
-                                      directory, directory, iters, probe, timeout, extra)
+        runs[f"resume{_name(tp)}"] = _launch(checkout, workdir, f"{label}-resume{_name(tp)}", tp, iters, env,
+                                             directory, directory, iters, probe, timeout, extra, layout)
     return runs
 
 
