@@ -1,6 +1,8 @@
-"""Cost of ``tp_reduce_dtype="fp32"`` (and ``fp32-accumulate``) on a mixture-of-experts model, on CPU.
+"""Cost of ``tp_reduce_dtype="fp32"`` (and ``fp32-accumulate``), or of ``tp_invariant=True``, on a
+mixture-of-experts model, on CPU.
 
     python benchmarks/moe_cost.py [--tp 1,2] [--dispatcher alltoall] [--reps 10]
+    python benchmarks/moe_cost.py --modes native,tp_invariant [--tp 1,2,4] [--reps 10]
 
 The model: ``megapatch.testing.scenarios.moe_tiny``'s Qwen3-MoE shape made larger so that ratios
 mean something on CPU: 2 layers, hidden 512, 8 heads in 4 KV groups, QK RMSNorm, 8 experts top-2
@@ -13,7 +15,8 @@ one step creates and holds at once (``_PeakTensorBytes``, in rounds of their own
 native's. At TP sizes below the rank count the other ranks are data-parallel replicas on the same
 2 cores: absolute times are noise, the ratios within one TP size are what this reports (three
 identically built native models measured this way: time ratios within 0.91-1.05 at 4 rounds,
-memory ratios 1.00).
+memory ratios 1.00). With ``tp_invariant`` among the modes, one more step per mode runs under
+torch's profiler: where rank 0's time goes (``tp_invariant_cost``'s components).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from tp_invariant_cost import _step  # noqa: E402
+from tp_invariant_cost import COMPONENTS, _profile, _step  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
@@ -72,8 +75,8 @@ class _PeakTensorBytes(TorchDispatchMode):
     def added(self) -> int:
         return self.peak
 
-MODES = {"native": {}, "fp32-accumulate": {"tp_reduce_dtype": "fp32-accumulate"},
-         "fp32": {"tp_reduce_dtype": "fp32"}}
+ALL_MODES = {"native": {}, "fp32-accumulate": {"tp_reduce_dtype": "fp32-accumulate"},
+             "fp32": {"tp_reduce_dtype": "fp32"}, "tp_invariant": {"tp_invariant": True}}
 SHAPE = dict(hidden_size=512, num_attention_heads=8, num_query_groups=4, moe_ffn_hidden_size=512,
              ffn_hidden_size=512, num_layers=2)
 VOCAB, SEQ, BATCH = 1024, 128, 2
@@ -87,11 +90,12 @@ def _build(tp: int, dispatcher: str):
                           position_embedding_type="rope")
 
 
-def _job(ctx, tps, reps, dispatcher):
+def _job(ctx, tps, reps, dispatcher, modes):
     import megapatch
     from megapatch.testing import make_batch, reinit_model_parallel
     from megapatch.testing.models.tiny_gpt import build_bf16_optimizer
 
+    MODES = {m: ALL_MODES[m] for m in modes}
     batch = make_batch(seed=5, batch=BATCH, seq_len=SEQ, vocab=VOCAB)
     results = {}
     for tp in tps:
@@ -134,6 +138,11 @@ def _job(ctx, tps, reps, dispatcher):
                         _step(*runs[mode], batch)
                 memory[mode].append(heap.added)
         results[tp] = {m: (statistics.median(times[m]), (statistics.median(memory[m]), None)) for m in MODES}
+        if "tp_invariant" in MODES:
+            for mode in MODES:
+                with switched(mode):
+                    torch.distributed.barrier()
+                    results[tp][f"{mode} profile"] = _profile(lambda: _step(*runs[mode], batch))
     return results if ctx.rank == 0 else None
 
 
@@ -144,19 +153,34 @@ def main(argv=None):
     parser.add_argument("--tp", default="1,2")
     parser.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "allgather"))
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--modes", default="native,fp32-accumulate,fp32",
+                        help=f"comma-separated, native first; of {', '.join(ALL_MODES)}")
     args = parser.parse_args(argv)
     tps = [int(t) for t in args.tp.split(",")]
-    results = run_ranks(_job, world_size=max(tps), args=(tps, args.reps, args.dispatcher), timeout=3600)[0]
+    modes = args.modes.split(",")
+    if modes[0] != "native" or not set(modes) <= set(ALL_MODES):
+        parser.error(f"--modes {args.modes!r}: native first, then any of {', '.join(list(ALL_MODES)[1:])}")
+    results = run_ranks(_job, world_size=max(tps), args=(tps, args.reps, args.dispatcher, modes), timeout=3600)[0]
     print(f"MoE ({args.dispatcher} dispatcher): {SHAPE['num_layers']} layers, hidden {SHAPE['hidden_size']}, "
           f"8 experts top-2 (FFN {SHAPE['moe_ffn_hidden_size']}), vocab {VOCAB}, {BATCH}x{SEQ} tokens, BF16; "
           f"one training step (forward, backward, clipped AdamW), median of {args.reps}, {max(tps)} CPU ranks:\n")
-    print("| TP | step time native | fp32-accumulate / native | fp32 / native | step tensor memory native | "
-          "fp32-accumulate / native | fp32 / native |")
-    print("|---|---|---|---|---|---|---|")
+    others = modes[1:]
+    print("| TP | step time native | " + " | ".join(f"{m} / native" for m in others)
+          + " | step tensor memory native | " + " | ".join(f"{m} / native" for m in others) + " |")
+    print("|---|---|" + "---|" * (2 * len(others) + 1))
     for tp, r in results.items():
-        (tn, (mn, _)), (ta, (ma, _)), (tf, (mf, _)) = r["native"], r["fp32-accumulate"], r["fp32"]
-        print(f"| {tp} | {tn * 1e3:.0f} ms | {ta / tn:.2f} | {tf / tn:.2f} | {mn / 2 ** 20:.1f} MiB | "
-              f"{ma / mn:.2f} | {mf / mn:.2f} |")
+        tn, (mn, _) = r["native"]
+        print(f"| {tp} | {tn * 1e3:.0f} ms | " + " | ".join(f"{r[m][0] / tn:.2f}" for m in others)
+              + f" | {mn / 2 ** 20:.1f} MiB | " + " | ".join(f"{r[m][1][0] / mn:.2f}" for m in others) + " |")
+    if "tp_invariant" in modes:
+        print("\nWhere one step's time goes (profiler self CPU time, rank 0, seconds: native -> tp_invariant):\n")
+        names = [name for name, _ in COMPONENTS] + ["other ops"]
+        print("| TP | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for tp, r in results.items():
+            native, invariant = r["native profile"], r["tp_invariant profile"]
+            print(f"| {tp} | " + " | ".join(f"{native.get(c, 0.0):.3f} -> {invariant.get(c, 0.0):.3f}"
+                                           for c in names) + " |")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ MODES = {
     "native": {},
     "fp32 logits": dict(logits_dtype="fp32"),
     "fp32 logits + tp_reduce_dtype=fp32": dict(logits_dtype="fp32", tp_reduce_dtype="fp32"),
+    "fp32 logits + tp_invariant": dict(logits_dtype="fp32", tp_invariant=True),
 }
 PROMPTS, GENERATE, SEED = 8, 40, 1234
 MAX_SEQ = PROMPT_LEN + GENERATE
@@ -171,6 +172,7 @@ def _changed_choices(own_topk, recorded, batch: int, n: int) -> float:
 
 def _job(ctx, options):
     import megapatch
+    from megapatch.core.errors import MegapatchError
     from megapatch.testing import reinit_model_parallel
     from megapatch.testing.stand_ins.dynamic_inference_compat import dynamic_inference_workarounds
 
@@ -189,13 +191,32 @@ def _job(ctx, options):
                 rows = out["rollouts"]["rows"][rollout_tp, greedy]
                 sequences = [p + g for p, (g, _, _) in zip(_prompts(), rows)]
                 for replay in (False, True):
-                    train, own = _train(ctx, tp, ep, sequences, recorded[rollout_tp, greedy] if replay else None)
+                    try:
+                        train, own = _train(ctx, tp, ep, sequences, recorded[rollout_tp, greedy] if replay else None)
+                    except MegapatchError as exc:  # tp_invariant refuses expert parallelism
+                        out.setdefault("refused", {})[rollout_tp, (tp, ep)] = str(exc).split(":")[0]
+                        continue
                     out["train"][rollout_tp, (tp, ep), greedy, replay] = train
                     if not greedy:
                         out["changed"][rollout_tp, (tp, ep), replay] = _changed_choices(
                             own, recorded[rollout_tp, greedy], len(sequences), len(sequences[0]))
     out["active"] = list(megapatch.status().active)
     return out
+
+
+def _cell(found, rollout_tp, trainer, text) -> str:
+    refused = found.get("refused", {}).get((rollout_tp, trainer))
+    return f"refused ({refused})" if refused else text()
+
+
+def _same_as_rollout_tp(found, rollout_tp, trainer) -> str:
+    """The share of this trainer's log-probs (sampled rollouts, no replay) bit-identical to those
+    of the trainer at the rollout's TP, EP 1."""
+    reference = found["train"].get((rollout_tp, (rollout_tp, 1), False, False))
+    if reference is None:
+        return "n/a"
+    here, reference = found["train"][rollout_tp, trainer, False, False][0], reference[0]  # Megatron RL's log-probs
+    return f"{100 * (here == reference).float().mean().item():.1f}%"
 
 
 def _layout_stats(found, rollout_tp, trainer, replay):
@@ -248,7 +269,7 @@ def _report(results, argv, elapsed):
     for mode, found in results.items():
         for replay in (False, True):
             lines.append(f"| {mode} | {'R3' if replay else 'none'} | " + " | ".join(
-                f"{100 * found['changed'][r, t, replay]:.2f}%" for r, t in LAYOUTS) + " |")
+                _cell(found, r, t, lambda: f"{100 * found['changed'][r, t, replay]:.2f}%") for r, t in LAYOUTS) + " |")
     lines.append("")
     metrics = [("RMS logp_train - logp_inf", lambda s: _fmt(s["rms"])),
                ("max abs(p_train - p_inf)", lambda s: _fmt(s["max_abs_p"])),
@@ -261,8 +282,15 @@ def _report(results, argv, elapsed):
         for mode, found in results.items():
             for replay in (False, True):
                 lines.append(f"| {mode} | {'R3' if replay else 'none'} | " + " | ".join(
-                    cell(_layout_stats(found, r, t, replay)) for r, t in LAYOUTS) + " |")
+                    _cell(found, r, t, lambda: cell(_layout_stats(found, r, t, replay))) for r, t in LAYOUTS) + " |")
         lines.append("")
+    lines += ["**trainer log-probs bit-identical to the trainer's at the rollout's TP** (EP 1; the share of "
+              "log-probs, sampled rollouts; what tp_invariant promises across the trainer's TP size)", "",
+              "| mode | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for mode, found in results.items():
+        lines.append(f"| {mode} | " + " | ".join(_cell(found, r, t, lambda: _same_as_rollout_tp(found, r, t))
+                                                 for r, t in LAYOUTS) + " |")
+    lines.append("")
     lines += ["Patches active per mode: " + "; ".join(
         f"{mode}: {', '.join(found['active']) or 'none'}" for mode, found in results.items()) + ".", ""]
     return "\n".join(lines) + "\n"
