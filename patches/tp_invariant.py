@@ -26,7 +26,7 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   ``ColumnParallelLinear.__init__`` refuses an output size the width does not divide when the
   layer is built (a GPT's output layer, outside any block).
 
-* Mixture of experts (expert TP = TP, EP = 1; ``tp_invariant.moe`` and the layers above): the
+* Mixture of experts (expert TP = TP; ``tp_invariant.moe`` and the layers above): the
   router's gating GEMM runs per block of consecutive tokens (``TokenBlockedLinear``), its weight
   gradient through the token tree like a norm's; top-k routing runs once per token block, so
   every call sees the same rows at every TP size. An expert's fc1/fc2 are ``explicit_expert_comm``
@@ -34,9 +34,14 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   are handed to it on expert-TP rank 0 only (``block_tree.on_root``), so its reduce-scatter adds
   exact zeros. The routing probability scales the activation inside fc2's wrapper
   (``ScaledRows``): its gradient, a sum over the features expert TP splits, goes through the tree.
-  A token's top-k outputs are added by upstream's unpermute in expert order, the same at every TP
-  size with EP = 1; shared experts are ordinary MLPs. Aux- and z-loss gradients are per token
-  (token counts are integers), their logged values are not made invariant.
+  A token's top-k outputs are added by upstream's unpermute in expert order on one rank (with
+  alltoall the token's home rank, whatever the EP size); shared experts are ordinary MLPs. Aux- and
+  z-loss gradients are per token (token counts are integers), their logged values are not made
+  invariant. Expert parallelism (alltoall): each source data-parallel rank's tokens are one block
+  of rows in every expert GEMM (``TokenSources``; the dispatcher's TP-major chunks reordered
+  EP-major), and an expert's weight gradient is the fixed tree over every DP rank's FP32 partial
+  (``block_tree.source_sum``: gathered over expert DP, handed to DDP on its rank 0); the grad norm
+  adds expert parameters in (layer, global expert) order gathered over EP.
 
 Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
 all-gathers, the norms' per-token work and replicated parameters' gradients (same full tensors on every rank),
@@ -59,10 +64,10 @@ all-reduce of those gradients on rank 0 only.
 
 Refused in this mode (with the reason): QK layernorm on a head count W cannot cut, norms other than torch's, Transformer Engine modules, fused
 bias-activation, fewer KV groups than the TP size, gradient-accumulation fusion, deferred embedding wgrad,
-MoE settings outside the covered set (``_MOE_REFUSED``: expert parallelism, expert TP other than TP,
+MoE settings outside the covered set (``_MOE_REFUSED``: expert parallelism with allgather, expert TP other than TP,
 flex dispatcher, grouped GEMM, permute/router fusion, shared-expert gate and overlap, token
-dropping, ...), several distributed-optimizer instances, grad norms over expert ranks (or over
-data-parallel ranks without the distributed optimizer), and ``tp_reduce_dtype`` other than native
+dropping, ...), several distributed-optimizer instances, grad norms over other ranks than TP x PP
+(x DP with the distributed optimizer; expert parameters over EP), and ``tp_reduce_dtype`` other than native
 (this mode already sums in FP32 through its own tree).
 """
 
@@ -922,8 +927,9 @@ PATCHES = (
     ),
     _invariant_patch(
         name="tp_invariant.moe",
-        summary="MoE routers under tp_invariant: the gating GEMM and top-k per token block, the gate's weight "
-                "gradient through the token tree (experts: tp_invariant.tensor_parallel, tp_invariant.mlp)",
+        summary="MoE under tp_invariant: router gating GEMM and top-k per token block (the gate's weight gradient "
+                "through the token tree); with expert parallelism (alltoall) each source DP rank's tokens one "
+                "block in the experts' GEMMs (experts: tp_invariant.tensor_parallel, tp_invariant.mlp)",
         hook=MOE_LAYER,
         targets=(
             Target(ROUTER, "Router.gating", _router_gating, kind="method", params=("self", "input")),
