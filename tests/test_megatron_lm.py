@@ -748,7 +748,9 @@ def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4(
 
 
 @pytest.mark.slow
-def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(checkout, tmp_path_factory):
+@pytest.mark.parametrize("optimizer", [(), ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")],
+                         ids=["plain", "distributed"])
+def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(checkout, tmp_path_factory, optimizer):
     """Issue 26: the MoE flags at DP 2 (world 2 x TP): trained at TP 1 EP 1, saved (torch_dist),
     resumed at TP 1 EP 1, TP 1 EP 2 and TP 2 EP 2 -- an EP rank then computes experts on both
     data-parallel ranks' tokens, and the expert parameters' gradients and norm span EP ranks. Under
@@ -760,7 +762,8 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
     number of entries at EP 1 and EP 2: "Expected 2 entries in state dict, but got 3"), so every
     resume starts a fresh optimizer state (--no-load-optim) from the same loaded weights, and the
     per-rank RNG state is not loaded (--no-load-rng; nothing draws random numbers after
-    initialisation here)."""
+    initialisation here). With --use-distributed-optimizer the expert parameters' grad buffers are
+    sharded over expert data parallelism, whose size the EP change halves."""
     from megapatch.testing.scenarios import tp_resume
 
     _tp_invariant_revision(checkout)
@@ -778,7 +781,7 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
                                 iters=4, label="moe", timeout=TIMEOUT, layout=layout,
                                 # the RNG state is saved per (TP, EP) rank and not resharded; nothing
                                 # here draws random numbers after initialisation (no dropout)
-                                extra=("--no-load-rng", "--no-load-optim"))
+                                extra=("--no-load-rng", "--no-load-optim", *optimizer))
     reference = runs["resume1x1"]
     # the weights loaded are the uninterrupted run's: its first resumed loss is too (then the fresh
     # optimizer state parts them)

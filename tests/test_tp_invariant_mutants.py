@@ -86,6 +86,9 @@ class _Group:
     def size(self):
         return self._size
 
+    def rank(self):
+        return 0
+
 
 # -- block arithmetic at TP=1 (no ranks) --------------------------------------------------------
 
@@ -215,7 +218,7 @@ def test_expert_layers_are_covered_and_their_uncovered_fields_refused_only_with_
     from megapatch.patches import tp_invariant as patch
 
     moe = dict(num_moe_experts=8, moe_ffn_hidden_size=32, expert_tensor_parallel_size=2, add_bias_linear=False,
-               moe_token_dispatcher_type="alltoall")
+               moe_token_dispatcher_type="allgather")  # expert parallelism is covered with alltoall only
     assert patch._config_refusals(_config(**moe)) == []
     for field, value, flag in (("expert_model_parallel_size", 2, "--expert-model-parallel-size"),
                                ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type"),
@@ -225,6 +228,8 @@ def test_expert_layers_are_covered_and_their_uncovered_fields_refused_only_with_
         refusals = patch._config_refusals(_config(**{**moe, field: value}))
         assert len(refusals) == 1 and flag in refusals[0][0], (field, refusals)
         assert patch._config_refusals(_config(**{field: value})) == [], field
+    assert patch._config_refusals(_config(**{**moe, "expert_model_parallel_size": 2,
+                                             "moe_token_dispatcher_type": "alltoall"})) == []
 
 
 @pytest.mark.quick("tp_invariant.construction")
@@ -317,7 +322,6 @@ def _column_call(group_size, **kw):
 @pytest.mark.parametrize("setting,what", [
     (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion"),
     (dict(grad_output_buffer=[]), "defer_embedding_wgrad_compute"),
-    (dict(explicit_expert_comm=True), "expert-parallel"),
     (dict(config=SimpleNamespace(num_query_groups=1)), "num_query_groups=1"),
     (dict(allreduce_dgrad=False), "reduced outside it"),
 ])
@@ -406,10 +410,13 @@ def test_row_layer_adds_its_bias_after_the_tree_or_hands_it_back(invariant):
     out, _ = patch._row_forward(None, layer, (small,), {})
     exact = small.float() @ layer.weight.float().t()
     assert torch.equal(out.float(), exact + layer.bias.float()) and not torch.equal(out.float(), exact)
-    for field, what in (("explicit_expert_comm", "expert-parallel"),
-                        ("gradient_accumulation_fusion", "gradient_accumulation_fusion")):
-        with pytest.raises(UnsupportedConfigurationError, match=what):
-            patch._row_forward(None, _row_instance(**{field: True}), (x,), {})
+    with pytest.raises(UnsupportedConfigurationError, match="gradient_accumulation_fusion"):
+        patch._row_forward(None, _row_instance(gradient_accumulation_fusion=True), (x,), {})
+    # a routed expert's fc2 (the dispatcher sums it over expert TP): the tree, no bias of its own
+    out, bias = patch._row_forward(None, _row_instance(explicit_expert_comm=True, bias=None), (x,), {})
+    assert bias is None and torch.equal(out, tree)
+    with pytest.raises(UnsupportedConfigurationError, match="--disable-bias-linear"):
+        patch._row_forward(None, _row_instance(explicit_expert_comm=True), (x,), {})
 
 
 def test_a_row_layer_that_w_does_not_split_is_refused_naming_its_full_size(invariant):
