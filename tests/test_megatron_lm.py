@@ -692,9 +692,9 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
     """pretrain_gpt.py with MoE flags at TP 1/2/4 and EP 2, both dispatchers, in every mode: each
     trains, the job log names the MoE coverage, FP32 logits reach the loss under logits_dtype=fp32;
     fp32's first-step per-token losses at TP 2 and 4 sit far closer to TP 1's than native's do.
-    tp_invariant (issue 26) refuses expert parallelism before the first step, naming the flag
-    (expert TP = TP runs, below)."""
-    refused, _ = _moe_run(checkout, 2, "tp_invariant", ep=2)
+    tp_invariant (issue 26) refuses expert parallelism with the allgather dispatcher before the
+    first step, naming the flag (alltoall with EP, and expert TP = TP, run: below)."""
+    refused, _ = _moe_run(checkout, 2, "tp_invariant", "allgather", ep=2)
     assert refused.returncode != 0 and not refused.losses, refused.tail()
     assert "megapatch tp_invariant=True does not support" in refused.log, refused.tail()
     assert "--expert-model-parallel-size" in refused.log, refused.tail()
