@@ -231,10 +231,13 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/rl_moe.md")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes {args.modes!r}: choose among {', '.join(MODES)}")
     started = time.time()
-    results = {mode: run_ranks(_job, world_size=2, args=(options,), timeout=3600)[0]
-               for mode, options in MODES.items()}
+    results = {mode: run_ranks(_job, world_size=2, args=(MODES[mode],), timeout=3600)[0] for mode in modes}
     elapsed = time.time() - started
     replay_missed = {(mode, layout): share for mode, found in results.items()
                      for (*layout, replay), share in found["changed"].items() if replay and share}
@@ -290,6 +293,19 @@ def _report(results, argv, elapsed):
     for mode, found in results.items():
         lines.append(f"| {mode} | " + " | ".join(_cell(found, r, t, lambda: _same_as_rollout_tp(found, r, t))
                                                  for r, t in LAYOUTS) + " |")
+    lines.append("")
+    lines += ["**the dynamic engine's rollouts at TP 2 against TP 1** (generated tokens identical, and the share "
+              "of their log-probs bit-identical; sampled and greedy rollouts)", "",
+              "| mode | rollouts with identical tokens | log-probs identical |", "|---|---|---|"]
+    for mode, found in results.items():
+        rows = found["rollouts"]["rows"]
+        same_tokens, same_logp = [], []
+        for greedy in (False, True):
+            for a, b in zip(rows[1, greedy], rows[2, greedy]):
+                same_tokens.append(a[0] == b[0])
+                same_logp += [x == y for x, y in zip(a[1], b[1])] if a[0] == b[0] else [False] * len(a[1])
+        lines.append(f"| {mode} | {sum(same_tokens)} / {len(same_tokens)} | "
+                     f"{100 * sum(same_logp) / max(len(same_logp), 1):.1f}% |")
     lines.append("")
     lines += ["Patches active per mode: " + "; ".join(
         f"{mode}: {', '.join(found['active']) or 'none'}" for mode, found in results.items()) + ".", ""]
