@@ -410,6 +410,7 @@ def _per_token_blocks(wrapped, instance, args, kwargs):
 _SOURCES = "_megapatch_token_sources"  # on an expert MLP: its rows' TokenSources (set with EP > 1)
 _EXPERTS = "_megapatch_local_experts"  # on a token dispatcher: its layer's local expert MLPs
 _EXPERT_KEY = "_megapatch_expert_key"  # on an expert parameter: (layer, global expert, parameter)
+_RESTORE = "_megapatch_restore"  # on a token dispatcher: the inverse of its EP-major row order
 
 
 def _data_parallel():
@@ -471,9 +472,7 @@ def _alltoall_dispatch_postprocess(wrapped, instance, args, kwargs):
         sources.append(tpi.TokenSources(tuple(sum(counts[j][k][e] for j in range(tp)) for k in range(ep)),
                                         leaves, group, size))
     order = torch.tensor(order, dtype=torch.long, device=tokens.device)
-    restore = torch.empty_like(order)
-    restore[order] = torch.arange(order.numel(), device=order.device)
-    instance._megapatch_restore = restore
+    setattr(instance, _RESTORE, torch.argsort(order))  # the inverse permutation, for the combine
     experts = getattr(instance, _EXPERTS, None)
     if experts is None or len(experts) != local:
         _refuse("an expert-parallel MoE layer built before tp_invariant was switched on",
@@ -487,7 +486,7 @@ def _alltoall_combine_preprocess(wrapped, instance, args, kwargs):
     if not tpi.active() or instance.ep_size == 1:
         return wrapped(*args, **kwargs)
     hidden = argument(args, kwargs, 0, "hidden_states")
-    return wrapped(hidden.index_select(0, instance._megapatch_restore))
+    return wrapped(hidden.index_select(0, getattr(instance, _RESTORE)))
 
 
 def _mark_experts(name: str, module) -> None:
