@@ -1,6 +1,7 @@
 """A megapatch refusal reads as one line per rank (issue 19 item 6): the whole message on rank 0, a
 short line elsewhere, no traceback; every other exception keeps Python's report."""
 
+import os
 import sys
 
 import pytest
@@ -78,3 +79,46 @@ def test_a_long_first_sentence_is_cut_to_exactly_the_short_length_with_an_ellips
     assert shown == words[:117] + "...", shown
     exact = "x" * 120
     assert exact + " (rank 1;" in rank_errors.lines(UnsupportedConfigurationError(exact + ". More."), 1)
+
+
+@pytest.mark.parametrize("rank, waits", [(0, False), (1, True), (5, True)])
+def test_the_other_ranks_wait_for_rank_0_to_report_before_they_exit(monkeypatch, rank, waits):
+    """torchrun stops the job when its first rank exits: a rank that is not 0 waits after its short
+    line so rank 0's whole message gets out (CI lost it once, rank 1 having exited first)."""
+    slept, written = [], []
+    monkeypatch.setattr(rank_errors.time, "sleep", slept.append)
+    monkeypatch.setattr(rank_errors, "job_rank", lambda: rank)
+    monkeypatch.setattr(sys, "stderr", type("Err", (), {"write": written.append, "flush": lambda self: None})())
+    error = UnsupportedConfigurationError(MESSAGE)
+    rank_errors._hook(type(error), error, None)
+    assert written == [rank_errors.lines(error, rank)]
+    assert slept == ([rank_errors.RANK_0_GRACE_S] if waits else []) and rank_errors.RANK_0_GRACE_S >= 2
+
+
+_LATE_RANK_0 = """
+    import os, time, megapatch
+    from megapatch.core.errors import UnsupportedConfigurationError
+    megapatch.enable(logits_dtype="fp32")
+    if os.environ["RANK"] == "0":
+        time.sleep(1.5)  # rank 0 reaches the refusal last, as it did in the CI run that lost its message
+    raise UnsupportedConfigurationError("megapatch refuses X. Unset MEGAPATCH_Y to change it.")
+    """
+
+
+def test_rank_0s_whole_message_survives_torchrun_when_another_rank_refuses_first(tmp_path):
+    """Through torchrun, which stops every rank once one has exited: rank 1 refuses first, rank 0
+    1.5 s later, and rank 0's whole message is still printed."""
+    import subprocess
+    import textwrap
+
+    script = tmp_path / "refuse.py"
+    script.write_text(textwrap.dedent(_LATE_RANK_0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", "0", str(script)], env={**env, "PYTHONWARNINGS": "ignore"},
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "megapatch refuses X (rank 1; the full message is on rank 0)" in output, output
+    assert "megapatch: UnsupportedConfigurationError: megapatch refuses X. Unset MEGAPATCH_Y to change it." \
+        in output, output

@@ -6,12 +6,17 @@ enabled, ``sys.excepthook`` reports an uncaught :class:`MegapatchError` as one l
 message on rank 0, elsewhere a short line with its first words and the rank. The traceback goes to the
 ``megapatch`` logger at DEBUG level (``logging.basicConfig(level=logging.DEBUG)`` shows it). Every
 other exception reaches the hook that was there before, untouched.
+
+The other ranks wait ``RANK_0_GRACE_S`` seconds after their short line before they exit: a launcher
+such as torchrun stops the whole job when its first rank exits, and rank 0's full message was lost
+whenever another rank got there first (seen in CI: only "the full message is on rank 0" was printed).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 
 from megapatch.core.errors import MegapatchError
@@ -20,6 +25,7 @@ from megapatch.core.report import job_rank
 log = logging.getLogger("megapatch")
 
 SHORT_CHARS = 120
+RANK_0_GRACE_S = 5.0
 
 
 def lines(error: BaseException, rank: int) -> str:
@@ -38,8 +44,11 @@ def _hook(kind, error, tb):
     if not isinstance(error, MegapatchError):
         return _previous(kind, error, tb)
     log.debug("megapatch: traceback of the refusal:\n%s", "".join(traceback.format_exception(kind, error, tb)))
-    sys.stderr.write(lines(error, job_rank()))
+    rank = job_rank()
+    sys.stderr.write(lines(error, rank))
     sys.stderr.flush()
+    if rank != 0:
+        time.sleep(RANK_0_GRACE_S)
 
 
 _previous = sys.__excepthook__
