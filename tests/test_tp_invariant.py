@@ -40,21 +40,6 @@ MODELS = {
 }
 
 
-def _sum_qk_norm_grads_over_tp(ctx, model):
-    """What megatron-core's ``finalize_model_grads`` does with ``--qk-layernorm`` (this harness
-    trains without its DDP wrapper): the q/k norm weights' gradients, found by name, summed over
-    the TP group (``_allreduce_non_tensor_model_parallel_grads``, core_v0.16.1). Each TP rank's
-    backward sums only its own heads."""
-    from megatron.core import parallel_state
-
-    if ctx.tp_size == 1:
-        return
-    group = parallel_state.get_tensor_model_parallel_group()
-    for name, param in model.named_parameters():
-        if ("q_layernorm" in name or "k_layernorm" in name) and param.grad is not None:
-            torch.distributed.all_reduce(param.grad, group=group)
-
-
 def _model(ctx, shape, **overrides):
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
     from megapatch.testing.models.tiny_gpt import llama_config
@@ -76,14 +61,14 @@ def _batch(shape, step):
 
 def _forward_backward(ctx, model, shape):
     from megapatch.testing import gather_tp_logits
-    from megapatch.testing.models.tiny_gpt import gather_full_grads
+    from megapatch.testing.models.tiny_gpt import gather_full_grads, sum_tp_replicated_grads
 
     batch = _batch(shape, 0)
     with torch.no_grad():
         logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
     loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
     loss.float().mean().backward()
-    _sum_qk_norm_grads_over_tp(ctx, model)
+    sum_tp_replicated_grads(ctx, model)
     return {"logits": gather_tp_logits(logits, ctx).float(), "loss": loss.detach().float(),
             "grads": gather_full_grads(model, ctx)}
 
@@ -91,7 +76,7 @@ def _forward_backward(ctx, model, shape):
 def _train(ctx, shape):
     """Forward/backward results of step 0, then 5 clipped AdamW steps."""
     from megapatch.testing import gather_full_weights
-    from megapatch.testing.models.tiny_gpt import build_bf16_optimizer, cuda_type_names
+    from megapatch.testing.models.tiny_gpt import build_bf16_optimizer, cuda_type_names, sum_tp_replicated_grads
 
     model = _model(ctx, shape)
     optimizer = build_bf16_optimizer(model, clip_grad=CLIP)
@@ -103,7 +88,7 @@ def _train(ctx, shape):
             batch = _batch(shape, step)
             model(batch.tokens, batch.position_ids, batch.attention_mask,
                   labels=batch.labels).float().mean().backward()
-            _sum_qk_norm_grads_over_tp(ctx, model)
+            sum_tp_replicated_grads(ctx, model)
         with cuda_type_names():
             ok, norm, _ = optimizer.step()
         assert ok

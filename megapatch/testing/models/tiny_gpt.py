@@ -327,6 +327,21 @@ def gather_full_grads(model: torch.nn.Module, ctx=None) -> Dict[str, torch.Tenso
     return full
 
 
+def sum_tp_replicated_grads(ctx, model) -> None:
+    """What megatron-core's ``finalize_model_grads`` does for parameters replicated over TP whose
+    gradients each TP rank sums over only part of the work (these harnesses train without its DDP
+    wrapper): sequence-parallel parameters (norms, the MoE router's gate) and the QK norms (found
+    by name: each TP rank's backward sums only its own heads), all-reduced over the TP group
+    (``_allreduce_non_tensor_model_parallel_grads``, core_v0.16.1)."""
+    if ctx.tp_size == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for name, param in model.named_parameters():
+        qk_norm = "q_layernorm" in name or "k_layernorm" in name
+        if param.grad is not None and (getattr(param, "sequence_parallel", False) or qk_norm):
+            dist.all_reduce(param.grad, group=group)
+
+
 class _CudaTypeNames(torch.overrides.TorchFunctionMode):
     """``Tensor.type()`` answers with the CUDA type name: megatron's mixed-precision optimizer
     accepts parameters and clips gradients only after checking ``'torch.cuda.*Tensor'`` names."""

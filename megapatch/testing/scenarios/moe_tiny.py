@@ -186,22 +186,6 @@ def fp32_reference(ctx, batch_seed: int = 5, dispatcher: str = "alltoall",
     return {"logits": logits, "routing": [r.clone() for r in routing]} if ctx.rank == 0 else None
 
 
-def sum_tp_replicated_grads(ctx, model) -> None:
-    """What megatron-core's ``finalize_model_grads`` does for parameters replicated over TP whose
-    gradients each TP rank sums over only part of the work (this harness trains without its DDP
-    wrapper): sequence-parallel parameters (norms, the MoE router's gate) and the QK norms, all-
-    reduced over the TP group (``_allreduce_non_tensor_model_parallel_grads``, core_v0.16.1)."""
-    from megatron.core import parallel_state
-
-    if ctx.tp_size == 1:
-        return
-    group = parallel_state.get_tensor_model_parallel_group()
-    for name, param in model.named_parameters():
-        qk_norm = "q_layernorm" in name or "k_layernorm" in name
-        if param.grad is not None and (getattr(param, "sequence_parallel", False) or qk_norm):
-            torch.distributed.all_reduce(param.grad, group=group)
-
-
 def reduce_data_parallel_grads(model) -> None:
     """What megatron-core's DDP does with the gradients at the end of a step (this harness trains
     without its wrapper): scaled by 1 / DP and summed over the data-parallel group, expert
@@ -249,7 +233,8 @@ def invariant_training(ctx, layouts: Sequence[Tuple[int, int]], dispatcher: str,
     from megatron.core import parallel_state
 
     from megapatch.testing.models.tiny_gpt import (
-        build_bf16_optimizer, cuda_type_names, gather_full_grads, gather_full_weights, gather_tp_logits)
+        build_bf16_optimizer, cuda_type_names, gather_full_grads, gather_full_weights, gather_tp_logits,
+        sum_tp_replicated_grads)
     from megapatch.testing.ranks.harness import _megatron_context
 
     out: Dict[Any, Any] = {}
