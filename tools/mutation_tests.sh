@@ -261,6 +261,52 @@ case $module in
     "$T/test_integrations_nemo_run.py") ;;
   megapatch/core/rank_errors.py) tests=(
     "$T/test_rank_errors.py") ;;
+  megapatch/core/registry.py) tests=(
+    "$T/test_lifecycle.py"
+    "$T/test_hardening_engine.py"
+    "$T/test_surface_lock.py"
+    "$T/test_versions.py"
+    "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
+    "$T/test_doctor.py") ;;
+  megapatch/core/state.py) tests=(
+    "$T/test_options.py"
+    "$T/test_hardening_engine.py"
+    "$T/test_launcher.py::test_messages_name_the_flag_that_set_a_variable"
+    "$T/test_lifecycle.py") ;;
+  megapatch/core/call_args.py) tests=(
+    "$T/test_tp_reduce_megatron_core.py"
+    "$T/test_logits_fp32_inference.py"
+    "$T/test_tp_reduce_transformer_engine_wiring.py"
+    "$T/test_tp_invariant_mutants.py"
+    "$T/test_moe.py") ;;
+  megapatch/core/scope.py) tests=(
+    "$T/test_logits.py"
+    "$T/test_tp_reduce_megatron_core.py"
+    "$T/test_logits_fp32_inference.py") ;;
+  megapatch/commands/lock.py) tests=(
+    "$T/test_surface_lock.py"
+    "$T/test_matrix.py"
+    "$T/test_cli.py") ;;
+  megapatch/commands/cli.py) tests=(
+    "$T/test_cli.py"
+    "$T/test_doctor.py"
+    "$T/test_hardening_engine.py"
+    "$T/test_surface_lock.py"
+    "$T/test_demo.py") ;;
+  megapatch/commands/launcher.py) tests=(
+    "$T/test_launcher.py"
+    "$T/test_integrations_nemo_run.py"
+    "$T/test_install.py::test_target_install_activates_through_the_launcher") ;;
+  megapatch/commands/launcher_site/sitecustomize.py) tests=(
+    "$T/test_launcher.py"
+    "$T/test_startup_hook.py"
+    "$T/test_install.py::test_target_install_activates_through_the_launcher") ;;
+  patches/linear.py) tests=(
+    "$T/test_tp_reduce_megatron_core.py"
+    "$T/test_logits.py"
+    "$T/test_lifecycle.py"
+    "$T/test_surface_lock.py"
+    "$T/test_hardening_engine.py") ;;
   *) echo "no tests listed for $module in $0" >&2; exit 2 ;;
 esac
 "$PYTHON" -m pytest -x -q -p no:cacheprovider --timeout=600 "${tests[@]}" || exit
