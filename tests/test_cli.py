@@ -93,3 +93,28 @@ def test_demo_quick_keeps_upstream_warnings_out_of_the_way(tmp_path):
     else:
         assert f"plot written to {plot}" in out and plot.exists()
     assert (tmp_path / "tp.json").exists()
+
+
+def test_lock_update_says_what_it_wrote_and_lock_then_compares_against_it(tmp_path, monkeypatch, capsys):
+    """``megapatch lock --update --lock-dir D`` names every file it writes; ``megapatch lock`` then
+    exits 0 against them, 1 with the difference once one is edited, 1 where no lock exists."""
+    import json
+
+    from megapatch.commands import lock
+    from megapatch.core.upstream_versions import version_of
+
+    monkeypatch.setattr(lock, "LOCK_DIR", lock.LOCK_DIR)  # --lock-dir sets it for the process
+    assert main(["lock", "--update", "--lock-dir", str(tmp_path)]) == 0
+    core = tmp_path / "megatron-core" / f"{version_of('megatron-core')}.json"
+    torch_lock = tmp_path / "torch" / f"{version_of('torch')}.json"
+    assert capsys.readouterr().out.splitlines() == [f"wrote {core}", f"wrote {torch_lock}"]
+    assert main(["lock", "--lock-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "the installed upstream matches the patch-surface lock"
+    recorded = json.loads(core.read_text())
+    symbol = "megatron.core.tensor_parallel.mappings._reduce"
+    recorded["symbols"][symbol]["source_sha256"] = "0" * 16
+    core.write_text(json.dumps(recorded))
+    assert main(["lock", "--lock-dir", str(tmp_path)]) == 1
+    assert f"{symbol}: source_sha256 changed" in capsys.readouterr().out
+    assert main(["lock", "--lock-dir", str(tmp_path / "empty")]) == 1
+    assert "no lock for megatron-core" in capsys.readouterr().out

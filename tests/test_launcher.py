@@ -151,6 +151,21 @@ def test_chains_to_the_users_sitecustomize(tmp_path):
         assert triggers == ("1" if flags else "0")
 
 
+@pytest.mark.parametrize("missing", ["aa_not_installed", "zz_not_installed"])  # sorted before / after "sitecustomize"
+def test_a_users_sitecustomize_that_fails_to_import_a_module_is_reported_as_without_the_launcher(tmp_path, missing):
+    """Only the absence of a further sitecustomize is silent: an ImportError raised inside the
+    user's one reaches Python's own report ("Error in sitecustomize"), whatever module it names."""
+    user = tmp_path / "user_site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text(f"import {missing}\n")
+    # the user's directory joins only the command's path (the launcher's own Python would report it too)
+    shell = f'PYTHONPATH="$PYTHONPATH:{user}" exec "{sys.executable}" -c "print(\'ran\')"'
+    result = _launch(["--tp-reduce-dtype", "fp32", "--", "sh", "-c", shell])
+    assert result.returncode == 0 and result.stdout.strip() == "ran", result.stderr[-3000:]
+    assert result.stderr.count("Error in sitecustomize") == 1, result.stderr
+    assert f"No module named '{missing}'" in result.stderr, result.stderr
+
+
 def test_megapatch_importable_only_later_activates_then_or_refuses(tmp_path):
     """A zipapp (or a script's directory) joins sys.path after start-up: the launcher's hook
     retries when megatron is looked up, and refuses megatron if megapatch is still missing."""

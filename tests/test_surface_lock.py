@@ -39,7 +39,21 @@ def test_a_changed_upstream_symbol_is_reported_with_a_readable_diff(tmp_path, mo
 
 
 def test_every_target_and_watched_symbol_is_fingerprinted():
-    symbols = lock.current(packages=("megatron-core",))["megatron-core"]
+    found = lock.current(packages=("megatron-core",))
+    assert set(found) == {"megatron-core"}  # torch is installed too, and not asked for
+    symbols = found["megatron-core"]
     assert "megatron.core.tensor_parallel.layers.RowParallelLinear.forward" in symbols
     assert "megatron.core.tensor_parallel.layers.LinearWithFrozenWeight.forward" in symbols  # watched
     assert all(entry["present"] is not None for entry in symbols.values())
+
+
+def test_update_rewrites_the_committed_lock_byte_for_byte(tmp_path, monkeypatch):
+    """Refreshing an unchanged upstream's lock leaves the shipped file as it is (no churn in review):
+    ``update`` writes the same bytes, JSON layout included, as the committed file."""
+    monkeypatch.setattr(lock, "LOCK_DIR", str(tmp_path))
+    [written] = lock.update(packages=("megatron-core",))
+    version = version_of("megatron-core")
+    assert written == str(tmp_path / "megatron-core" / f"{version}.json")
+    shipped = os.path.join(os.path.dirname(lock.__file__), "surface_lock", "megatron-core", f"{version}.json")
+    with open(shipped, "rb") as ours, open(written, "rb") as theirs:
+        assert theirs.read() == ours.read()

@@ -82,11 +82,9 @@ def main(argv=None) -> int:
         if not differences and not missing:
             print("the installed upstream matches the patch-surface lock")
         return 1 if differences or missing else 0
-    if args.command == "demo":
-        from megapatch.commands.demo import run_demo
+    from megapatch.commands.demo import run_demo  # the only command left: argparse takes no other
 
-        return run_demo(args)
-    return 2
+    return run_demo(args)
 
 
 if __name__ == "__main__":
