@@ -32,7 +32,10 @@ MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits
          megapatch/core/upstream_versions.py megapatch/core/report.py
          megapatch/commands/megatron_lm_flags.py megapatch/commands/doctor.py
          patches/tp_reduce_transformer_engine.py megapatch/te_check/wiring.py
-         megapatch/integrations/nemo_run.py megapatch/core/rank_errors.py)
+         megapatch/integrations/nemo_run.py megapatch/core/rank_errors.py
+         megapatch/core/registry.py megapatch/core/state.py megapatch/core/call_args.py megapatch/core/scope.py
+         megapatch/commands/lock.py megapatch/commands/cli.py megapatch/commands/launcher.py
+         megapatch/commands/launcher_site/sitecustomize.py patches/linear.py)
 [ $# -gt 0 ] && MODULES=("$@")
 
 tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout
