@@ -9,6 +9,8 @@ against native TP=1 logits (same model, ordinary rounding differences only).
 """
 
 
+import logging
+
 import pytest
 import torch
 
@@ -229,16 +231,31 @@ def _tree_oracle(products):
     return parts[0].to(torch.bfloat16).float()
 
 
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _job(ctx):
     import megapatch
+    from megapatch.core import report
     from megapatch.testing import reinit_model_parallel
 
     out = {}
+    warnings = _Warnings()
+    logging.getLogger("megapatch").addHandler(warnings)
     for tp in TPS:
         ctx = reinit_model_parallel(ctx, tp=tp)
         megapatch.enable(tp_invariant=True)
+        report._said.discard("tp_invariant:data-parallel-sum")  # (once per job: here once per TP size)
+        warnings.messages.clear()
         for name, shape in MODELS.items():
             out[("invariant", name, tp)] = _train(ctx, shape)
+        out[("data-parallel warnings", tp)] = [m for m in warnings.messages if "data-parallel size" in m]
         out[("invariant", "planted", tp)] = _planted_layers(ctx)
         megapatch.enable(tp_invariant=True, logits_dtype="fp32")
         out[("invariant-fp32-logits", tp)] = _fp32_logits(ctx, MODELS["odd"])
@@ -274,6 +291,20 @@ def test_a_megatron_core_that_cannot_take_the_mode_refuses_it():
 
 def _differing(a, b):
     return sorted(name for name in a if not torch.equal(a[name], b[name]))
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_a_data_parallel_size_of_3_or_more_is_said_to_leave_the_gradient_sum_upstreams(runs, tp):
+    """World 8: TP 1 and 2 run at data-parallel sizes 8 and 4, where DDP's sum of the ranks'
+    gradients is upstream's and its order follows the bucket layout: rank 0 says so once, with the
+    size; at DP 2 and 1 nothing is said."""
+    from megapatch.patches.tp_invariant import DATA_PARALLEL_SUM
+
+    said = runs[("data-parallel warnings", tp)]
+    dp = 8 // tp
+    assert said == ([DATA_PARALLEL_SUM.format(dp=dp)] if dp >= 3 else []), said
+    if dp >= 3:
+        assert f"data-parallel size {dp}:" in said[0] and "data-parallel sizes 1 and 2 only" in said[0]
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
