@@ -81,41 +81,56 @@ def test_a_long_first_sentence_is_cut_to_exactly_the_short_length_with_an_ellips
     assert exact + " (rank 1;" in rank_errors.lines(UnsupportedConfigurationError(exact + ". More."), 1)
 
 
-@pytest.mark.parametrize("rank, waits", [(0, False), (1, True), (5, True)])
-def test_the_other_ranks_wait_for_rank_0_to_report_before_they_exit(monkeypatch, rank, waits):
-    """torchrun stops the job when its first rank exits: a rank that is not 0 waits after its short
-    line so rank 0's whole message gets out (CI lost it once, rank 1 having exited first)."""
+@pytest.mark.parametrize("rank, world, waits", [(0, 1, False), (0, 2, True), (1, 2, True), (5, 8, True)])
+def test_every_rank_of_a_job_waits_after_its_line_before_it_exits(monkeypatch, rank, world, waits):
+    """torchrun stops the job when its first rank exits: in a job of several ranks each one waits
+    after its line, so rank 0's whole message and the others' short lines all get out (CI lost
+    rank 0's once, rank 1 having exited first, and rank 1's once, rank 0 having exited first); a
+    single process exits at once."""
     slept, written = [], []
     monkeypatch.setattr(rank_errors.time, "sleep", slept.append)
     monkeypatch.setattr(rank_errors, "job_rank", lambda: rank)
+    monkeypatch.setattr(rank_errors, "job_size", lambda: world)
     monkeypatch.setattr(sys, "stderr", type("Err", (), {"write": written.append, "flush": lambda self: None})())
     error = UnsupportedConfigurationError(MESSAGE)
     rank_errors._hook(type(error), error, None)
     assert written == [rank_errors.lines(error, rank)]
-    assert slept == ([rank_errors.RANK_0_GRACE_S] if waits else []) and rank_errors.RANK_0_GRACE_S >= 2
+    assert slept == ([rank_errors.GRACE_S] if waits else []) and rank_errors.GRACE_S >= 2
 
 
-_LATE_RANK_0 = """
+def test_the_job_size_is_torchrun_s_world_size_before_torch_distributed_starts(monkeypatch):
+    from megapatch.core import report
+
+    for value, size in (("8", 8), ("1", 1), ("x", 1)):
+        monkeypatch.setenv("WORLD_SIZE", value)
+        assert report.job_size() == size
+    monkeypatch.delenv("WORLD_SIZE")
+    assert report.job_size() == 1
+
+
+_LATE_RANK = """
     import os, time, megapatch
     from megapatch.core.errors import UnsupportedConfigurationError
     megapatch.enable(logits_dtype="fp32")
-    if os.environ["RANK"] == "0":
-        time.sleep(1.5)  # rank 0 reaches the refusal last, as it did in the CI run that lost its message
+    if os.environ["RANK"] == os.environ["LATE_RANK"]:
+        time.sleep(1.5)  # this rank reaches the refusal last, as in the CI runs that lost its line
     raise UnsupportedConfigurationError("megapatch refuses X. Unset MEGAPATCH_Y to change it.")
     """
 
 
-def test_rank_0s_whole_message_survives_torchrun_when_another_rank_refuses_first(tmp_path):
-    """Through torchrun, which stops every rank once one has exited: rank 1 refuses first, rank 0
-    1.5 s later, and rank 0's whole message is still printed."""
+@pytest.mark.parametrize("late", ["0", "1"])
+def test_every_ranks_line_survives_torchrun_whichever_rank_refuses_first(tmp_path, late):
+    """Through torchrun, which stops every rank once one has exited: one rank refuses 1.5 s after
+    the other, and both lines are printed, rank 0's whole message and rank 1's short one."""
     import subprocess
     import textwrap
 
     script = tmp_path / "refuse.py"
-    script.write_text(textwrap.dedent(_LATE_RANK_0))
+    script.write_text(textwrap.dedent(_LATE_RANK))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", "0", str(script)], env={**env, "PYTHONWARNINGS": "ignore"},
+                             "--master-port", "0", str(script)],
+                            env={**env, "PYTHONWARNINGS": "ignore", "LATE_RANK": late},
                             capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr
     assert result.returncode != 0

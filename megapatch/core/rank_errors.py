@@ -7,9 +7,10 @@ message on rank 0, elsewhere a short line with its first words and the rank. The
 ``megapatch`` logger at DEBUG level (``logging.basicConfig(level=logging.DEBUG)`` shows it). Every
 other exception reaches the hook that was there before, untouched.
 
-The other ranks wait ``RANK_0_GRACE_S`` seconds after their short line before they exit: a launcher
-such as torchrun stops the whole job when its first rank exits, and rank 0's full message was lost
-whenever another rank got there first (seen in CI: only "the full message is on rank 0" was printed).
+In a job of more than one rank, every rank waits ``GRACE_S`` seconds after its line before it
+exits: a launcher such as torchrun stops the whole job when its first rank exits, which lost rank
+0's full message whenever another rank got there first (seen in CI: only "the full message is on
+rank 0" was printed), and the other ranks' lines whenever rank 0 did. A single process exits at once.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import time
 import traceback
 
 from megapatch.core.errors import MegapatchError
-from megapatch.core.report import job_rank
+from megapatch.core.report import job_rank, job_size
 
 log = logging.getLogger("megapatch")
 
 SHORT_CHARS = 120
-RANK_0_GRACE_S = 5.0
+GRACE_S = 5.0
 
 
 def lines(error: BaseException, rank: int) -> str:
@@ -47,8 +48,8 @@ def _hook(kind, error, tb):
     rank = job_rank()
     sys.stderr.write(lines(error, rank))
     sys.stderr.flush()
-    if rank != 0:
-        time.sleep(RANK_0_GRACE_S)
+    if job_size() > 1:
+        time.sleep(GRACE_S)
 
 
 _previous = sys.__excepthook__

@@ -110,6 +110,21 @@ def job_rank() -> int:
         return 0
 
 
+def job_size() -> int:
+    """How many ranks the job has: torch.distributed's world size if initialised, else
+    ``WORLD_SIZE`` (set by torchrun and most launchers), else 1."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:  # noqa: BLE001 -- a half-initialised backend: fall back to the launcher's view
+        pass
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def _configured_elsewhere() -> bool:
     logger: Optional[logging.Logger] = log
     while logger is not None:
