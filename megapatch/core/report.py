@@ -96,33 +96,30 @@ def _table(header, rows) -> List[str]:
     return out
 
 
-def job_rank() -> int:
-    """This process's rank in the job: torch.distributed's if initialised, else ``RANK``, else 0."""
+def _job_view(ask: str, variable: str, default: int) -> int:
+    """torch.distributed's answer (``ask``: get_rank / get_world_size) if it is initialised (without
+    importing torch), else the launcher's variable, else ``default``."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
+            return getattr(dist, ask)()
     except Exception:  # noqa: BLE001 -- a half-initialised backend: fall back to the launcher's view
         pass
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get(variable, str(default)))
     except ValueError:
-        return 0
+        return default
+
+
+def job_rank() -> int:
+    """This process's rank in the job: torch.distributed's if initialised, else ``RANK``, else 0."""
+    return _job_view("get_rank", "RANK", 0)
 
 
 def job_size() -> int:
     """How many ranks the job has: torch.distributed's world size if initialised, else
     ``WORLD_SIZE`` (set by torchrun and most launchers), else 1."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-    except Exception:  # noqa: BLE001 -- a half-initialised backend: fall back to the launcher's view
-        pass
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
+    return _job_view("get_world_size", "WORLD_SIZE", 1)
 
 
 def _configured_elsewhere() -> bool:
