@@ -46,8 +46,12 @@ def _job(ctx, tp, steps, variants, query_groups):
     return out if ctx.rank == 0 else None
 
 
+def _changed(a: dict, b: dict) -> list:
+    return [k for k in b if not torch.equal(a[k], b[k])]
+
+
 def _differing(a: dict, b: dict) -> int:
-    return sum(not torch.equal(a[k], b[k]) for k in b)
+    return len(_changed(a, b))
 
 
 def main(argv=None):
@@ -90,7 +94,7 @@ def main(argv=None):
                       f"{_differing(here['params'], base['params'])} / {len(base['params'])} | "
                       f"{_differing(here['adam'], base['adam'])} / {len(base['adam'])} |")
                 if args.list_changed:
-                    print(f"  changed gradients: {[k for k in base['grads'] if not torch.equal(here['grads'][k], base['grads'][k])]}")
+                    print(f"  changed gradients: {_changed(here['grads'], base['grads'])}")
 
 
 if __name__ == "__main__":

@@ -45,8 +45,7 @@ def _hook(kind, error, tb):
     if not isinstance(error, MegapatchError):
         return _previous(kind, error, tb)
     log.debug("megapatch: traceback of the refusal:\n%s", "".join(traceback.format_exception(kind, error, tb)))
-    rank = job_rank()
-    sys.stderr.write(lines(error, rank))
+    sys.stderr.write(lines(error, job_rank()))
     sys.stderr.flush()
     if job_size() > 1:
         time.sleep(GRACE_S)
