@@ -67,9 +67,8 @@ DESCRIPTIONS = {"gpt": "tiny GPT", "llama": "tiny Llama (SwiGLU, RMSNorm, RoPE, 
 LLAMA = dict(hidden_size=128, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=192)
 DEFAULT_PLOTS = {"gpt": "tp_invariance.png", "llama": "tp_invariance_llama.png", "moe": "tp_invariance_moe.png"}
 # the MoE model (megapatch.testing.scenarios.moe_tiny, 8 heads in 2 KV groups): TP up to 4; no
-# planted outliers (its MLPs are experts); tp_invariant refuses MoE layers (issue 26)
+# planted outliers (its MLPs are experts)
 MOE_TP_SIZES = (1, 2, 4)
-MOE_MODES = ("native", "fp32-accumulate", "fp32")
 # the Llama model's planted neurons: their gate and up weights on the period's dimension (silu(5.6)
 # * 5.6 = 32 on the period, whose dimension 0 is 11.3 after RMSNorm; fc2 then writes +2035 and
 # -2019 into each OUTLIER_DIM: a remainder of 16, which a BF16 partial sum rounds away)
@@ -319,8 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gpt: GELU, LayerNorm, learned positions, biases (default; the "
                              "documented figures); llama: SwiGLU, RMSNorm, RoPE, grouped-query "
                              "attention, untied output layer, no biases; moe: Qwen3-MoE-shaped, "
-                             "8 experts top-2, QK RMSNorm, TP up to 4, expert choices reported "
-                             "(modes native, fp32-accumulate, fp32)")
+                             "8 experts top-2, QK RMSNorm, TP up to 4, expert choices reported")
     parser.add_argument("--tp", type=_tp_sizes, default=None, metavar="SIZES",
                         help=f"comma-separated TP sizes from {{{', '.join(map(str, TP_SIZES))}}} "
                              f"(default {DEFAULT_TP}; 1, the reference, is always run)")
@@ -362,12 +360,11 @@ def run_demo(args) -> int:
     modes = list(args.modes)
     variants = ["random", "outliers"]
     if model_name == "moe":
-        refused = _moe_refusal(args, tps, modes)
+        refused = _moe_refusal(args, tps)
         if refused:
             print(f"megapatch demo: {refused}", file=sys.stderr)
             return 2
         tps = [tp for tp in tps if tp in MOE_TP_SIZES] if args.tp is None else tps
-        modes = [m for m in modes if m in MOE_MODES]
         variants = ["random"]
     world = max(tps)
     plot_path = DEFAULT_PLOTS[model_name] if args.plot is None else args.plot
@@ -408,15 +405,12 @@ def run_demo(args) -> int:
     return 0
 
 
-def _moe_refusal(args, tps: List[int], modes: List[str]):
+def _moe_refusal(args, tps: List[int]):
     """Why ``--model moe`` cannot run what was asked (None: it can)."""
     wrong = [tp for tp in tps if tp not in MOE_TP_SIZES]
     if args.tp is not None and wrong:
         return (f"--tp {','.join(map(str, wrong))}: the moe model (8 heads in 2 KV groups) splits at TP "
                 f"{', '.join(map(str, MOE_TP_SIZES))} only")
-    if "tp-invariant" in modes and args.modes != list(MODES):
-        return ("--modes tp-invariant: tp_invariant refuses MoE layers (--num-experts) at model "
-                f"construction; valid modes for --model moe: {', '.join(MOE_MODES)}")
     return None
 
 
