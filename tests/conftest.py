@@ -55,12 +55,18 @@ def check_refused_where_upstream_cannot_take(prefix: str, what: str, **options) 
     assert not megapatch.is_enabled()
 
 
+def environ_without_megapatch() -> dict:
+    """A copy of this process's environment without any MEGAPATCH_* variable: what a child process
+    is started with when a test sets its megapatch variables itself (or none)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+
+
 def run_python(code: str, env: dict = None, timeout: int = 180, fresh: bool = True) -> subprocess.CompletedProcess:
     """Run ``code`` as ``python -c`` would (clean MEGAPATCH_* environment plus ``env``): in a fresh
     interpreter, or with ``fresh=False`` in a child of the rank server (torch and the third-party
     stack already imported, megatron and megapatch not; the MEGAPATCH_* start-up hook runs as at
     interpreter start): for what does not test interpreter start-up itself."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    full_env = environ_without_megapatch()
     full_env["PYTHONWARNINGS"] = "ignore"
     full_env.update(env or {})
     if not fresh and sys.platform.startswith("linux"):

@@ -7,9 +7,7 @@ import subprocess
 import sys
 import sysconfig
 
-import pytest
-
-from conftest import REPO, run_python
+from conftest import REPO, environ_without_megapatch, run_python
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "row_parallel_tp2.py")
 
@@ -21,7 +19,7 @@ def test_startup_hook_is_installed_in_site_packages():
 
 
 def _torchrun(tmp_path, env_extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env.update(env_extra, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     prefix = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO, environ_without_megapatch, run_python
 
 HAVE_BRIDGE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.bridge") is not None
@@ -49,14 +49,14 @@ def test_a_bridge_version_outside_the_tested_range_warns_once_naming_both(monkey
 
 def test_doctor_names_both_logit_dtype_settings_and_exits_1():
     result = subprocess.run([sys.executable, "-m", "megapatch", "doctor", "--", "--output-logit-dtype", "bf16"],
-                            env={**{k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")},
+                            env={**environ_without_megapatch(),
                                  "MEGAPATCH_LOGITS_DTYPE": "fp32", "PYTHONWARNINGS": "ignore"},
                             capture_output=True, text=True, timeout=300, cwd="/")
     assert result.returncode == 1, result.stdout[-3000:]
     assert "REFUSED by logits.fp32_lm_head" in result.stdout
     assert "logit dtype is bf16" in result.stdout and "env MEGAPATCH_LOGITS_DTYPE" in result.stdout
     agreeing = subprocess.run([sys.executable, "-m", "megapatch", "doctor", "--", "--output-logit-dtype", "fp32"],
-                              env={**{k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")},
+                              env={**environ_without_megapatch(),
                                    "MEGAPATCH_LOGITS_DTYPE": "fp32", "PYTHONWARNINGS": "ignore"},
                               capture_output=True, text=True, timeout=300, cwd="/")
     assert "REFUSED" not in agreeing.stdout, agreeing.stdout[-3000:]

@@ -1,6 +1,5 @@
 """Command-line conventions: --version, exit codes in --help, demo usage errors, a quiet demo."""
 
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import megapatch
 from megapatch.commands.cli import main
 from megapatch.commands.demo import MODES, TP_SIZES, count_warnings
 
-from conftest import REPO
+from conftest import environ_without_megapatch
 
 
 def _usage_error(argv, capsys):
@@ -71,7 +70,7 @@ def test_count_warnings():
 def test_demo_quick_keeps_upstream_warnings_out_of_the_way(tmp_path):
     """The main job, as a newcomer runs it: progress, the table and where the plot went; the
     ranks' upstream warnings (TE/Apex missing, deprecations) hidden and counted."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env["PYTHONWARNINGS"] = "default"  # as in a fresh shell: warnings shown unless we hide them
     plot = tmp_path / "tp.png"
     result = subprocess.run(

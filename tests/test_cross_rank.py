@@ -17,7 +17,7 @@ import torch
 from megapatch.core.errors import CrossRankMismatchError
 from megapatch.testing import RankFailure, RankTimeout, run_ranks
 
-from conftest import REPO
+from conftest import REPO, environ_without_megapatch
 
 COLLECTIVE_DEADLINE_S = 120  # a hung collective fails the test; generous for a loaded machine
 # a check timeout no job here reaches: a refusal that came only at the timeout ends the job at its own
@@ -152,7 +152,7 @@ def _free_port() -> int:
 ])
 def test_a_native_or_switched_off_rank_is_named_at_once_in_the_megatron_lm_order(peer, named):
     script = os.path.join(REPO, "tests", "scripts", "megatron_lm_order_tp2.py")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    base = environ_without_megapatch()
     base.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                 PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MEGAPATCH_CHECK_TIMEOUT=NEVER)
     procs = []

@@ -13,11 +13,11 @@ import pytest
 
 from megapatch.core import options
 from megapatch.commands import launcher
-from conftest import REPO
+from conftest import REPO, environ_without_megapatch
 
 
 def _launch(args, env_extra=None, timeout=180, cwd=REPO):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env["PYTHONWARNINGS"] = "ignore"
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "megapatch.commands.launcher", *args], env=env, cwd=cwd,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, environ_without_megapatch
 from megapatch.testing.ranks import megatron_lm_runs as mlm
 
 TARBALL_DIR = Path(os.environ.get("MEGATRON_LM_TARBALLS",
@@ -581,7 +581,7 @@ def test_fp32_logits_bypass_upstream_output_dtype_view(pr6252_core):
     """With a stand-in for TE's general_gemm, upstream's own FP32 output (PR #6252) is a view that
     megatron's cross entropy cannot train on; megapatch's FP32 logits (layer built with or without
     output_dtype) are exact, train, and leave the layer's output_dtype as it was."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env["PYTHONPATH"] = os.pathsep.join([str(pr6252_core), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, str(Path(REPO) / "tests" / "scripts" / "megatron_lm_logits_view.py")],
                             env=env, capture_output=True, text=True, timeout=300, cwd=str(pr6252_core))

@@ -1,7 +1,6 @@
 """A megapatch refusal reads as one line per rank (issue 19 item 6): the whole message on rank 0, a
 short line elsewhere, no traceback; every other exception keeps Python's report."""
 
-import os
 import sys
 
 import pytest
@@ -10,7 +9,7 @@ import megapatch
 from megapatch.core import rank_errors
 from megapatch.core.errors import UnsupportedConfigurationError
 
-from conftest import run_python
+from conftest import environ_without_megapatch, run_python
 
 MESSAGE = ("megapatch tp_invariant=True does not support num_moe_experts=8 (Megatron-LM: --num-experts): "
            "expert layers are not covered by this mode yet. tp_invariant was "
@@ -127,7 +126,7 @@ def test_every_ranks_line_survives_torchrun_whichever_rank_refuses_first(tmp_pat
 
     script = tmp_path / "refuse.py"
     script.write_text(textwrap.dedent(_LATE_RANK))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", "0", str(script)],
                             env={**env, "PYTHONWARNINGS": "ignore", "LATE_RANK": late},

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, environ_without_megapatch
 from megapatch.testing.ranks import rank_server
 
 TESTS = os.path.join(REPO, "tests")
@@ -54,7 +54,7 @@ def _wait_forever(path):
 def _forwarding(target, *args, env=None, **popen):
     """A process that forwards ``target(*args)`` to the rank server, as a torchrun worker does."""
     code = _forwarding_code(target, *args)
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    full_env = environ_without_megapatch()
     full_env.update({rank_server.ENV: rank_server.address()}, **(env or {}))
     return subprocess.Popen([sys.executable, "-c", code, "argument"], env=full_env, **popen)
 

@@ -5,13 +5,12 @@ actor's ``runtime_env`` ``env_vars`` (megapatch.testing.scenarios.ray_actors). O
 every job: switched on, not switched on, and one actor with a different setting."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, environ_without_megapatch
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install '.[ray]')")
 
@@ -25,7 +24,7 @@ JOBS = [
 
 @pytest.fixture(scope="module")
 def ray_jobs():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env.update(PYTHONWARNINGS="ignore", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0")
     result = subprocess.run([sys.executable, "-m", "megapatch.testing.scenarios.ray_actors", json.dumps(JOBS)],
                             env=env, capture_output=True, text=True, timeout=900, cwd=REPO)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO, environ_without_megapatch, run_python
 
 FP32 = {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}
 # what the hook itself may add to a process that never imports megatron
@@ -158,7 +158,7 @@ def test_megatron_imported_before_the_hook_runs_still_activates():
         site.addsitedir({folder!r})  # now its .pth files run, megapatch-startup.pth among them
         assert "megapatch.core.startup" in sys.modules
     """) + STATUS
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env.update(FP32, PYTHONWARNINGS="ignore")
     result = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True,
                             timeout=180, cwd=REPO)
@@ -186,7 +186,7 @@ def test_a_bad_value_stops_a_process_that_imported_megatron_before_the_hook():
         site.addsitedir({folder!r})
         print("RAN ON")
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env.update(MEGAPATCH_TP_REDUCE_DTYPE="bogus", PYTHONWARNINGS="ignore")
     result = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True,
                             timeout=180, cwd=REPO)

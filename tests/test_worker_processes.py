@@ -11,12 +11,11 @@ not activate (``torch.multiprocessing.spawn`` ranks) logs as any rank does.
 Each test runs a real interpreter (the installed start-up hook) and a real ``spawn`` child.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 
-from conftest import REPO
+from conftest import REPO, environ_without_megapatch
 
 SCRIPT = """
 import multiprocessing, sys
@@ -39,7 +38,7 @@ if __name__ == "__main__":
 def _run(tmp_path, parent_import):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT.format(parent_import=parent_import)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    env = environ_without_megapatch()
     env.update(MEGAPATCH_TP_REDUCE_DTYPE="fp32", RANK="0", PYTHONWARNINGS="ignore")
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                             timeout=300, cwd=REPO)
