@@ -35,7 +35,8 @@ MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits
          megapatch/integrations/nemo_run.py megapatch/core/rank_errors.py
          megapatch/core/registry.py megapatch/core/state.py megapatch/core/call_args.py megapatch/core/scope.py
          megapatch/commands/lock.py megapatch/commands/cli.py megapatch/commands/launcher.py
-         megapatch/commands/launcher_site/sitecustomize.py patches/linear.py)
+         megapatch/commands/launcher_site/sitecustomize.py patches/linear.py
+         megapatch/commands/demo.py megapatch/__init__.py megapatch/core/errors.py megapatch/_checkout.py)
 [ $# -gt 0 ] && MODULES=("$@")
 
 tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout
