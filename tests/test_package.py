@@ -55,13 +55,16 @@ def test_an_unknown_attribute_is_an_attribute_error_naming_it():
     assert not hasattr(megapatch, "__wrapped__")  # dunders are never imported as submodules
 
 
-def test_a_submodule_failing_on_a_missing_dependency_raises_that_dependencys_error(tmp_path, monkeypatch):
-    (tmp_path / "broken_for_test.py").write_text("import no_such_dependency_for_megapatch_tests\n")
+# names sorting before and after "megapatch.broken_for_test": the check is equality, not order
+@pytest.mark.parametrize("dependency", ["aaa_missing_dependency_for_megapatch_tests",
+                                        "no_such_dependency_for_megapatch_tests"])
+def test_a_submodule_failing_on_a_missing_dependency_raises_that_dependencys_error(tmp_path, monkeypatch, dependency):
+    (tmp_path / "broken_for_test.py").write_text(f"import {dependency}\n")
     monkeypatch.setattr(megapatch, "__path__", [*megapatch.__path__, str(tmp_path)])
     monkeypatch.delitem(sys.modules, "megapatch.broken_for_test", raising=False)
     with pytest.raises(ModuleNotFoundError) as info:
         megapatch.broken_for_test
-    assert info.value.name == "no_such_dependency_for_megapatch_tests"
+    assert info.value.name == dependency
 
 
 def test_an_upstream_surface_error_appends_the_installed_versions_once_then_the_hint():
