@@ -525,7 +525,8 @@ def test_tree_sum_adds_adjacent_pairs_level_by_level():
 def test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size(heads):
     """A QK norm's weight gradient on TP rank r covers heads [r n/t, (r+1) n/t) of the model's n.
     Its W = 8 leaves (``block_tree._head_leaves``): n/W heads each (n = 16, 8), or one head then
-    W/n - 1 zero leaves (n = 2). Planted leaf totals (+-2^24, 1, 3) whose FP32 sum depends on the
+    W/n - 1 zero leaves (n = 2). Planted leaf totals (+-2^24, 1, 3), each gradient times its token's
+    normalised input (0.5, 1.5: the weight gradient is the product's sum), whose FP32 sum depends on the
     order: the ranks' leaves, in rank order, must add up to the fixed tree over the model's
     leaves, computed here from an exact (FP64) sum per leaf, at every TP size the heads allow."""
     from megapatch.numerics.block_tree import _head_leaves, tree_sum
@@ -534,11 +535,12 @@ def test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size(hea
     per_leaf = max(heads // w, 1)
     totals = [2.0 ** 24, 1.0, 1.0, -(2.0 ** 24), 3.0, 1.0, -3.0, 1.0][: min(heads, w)]
     grad = torch.zeros(s, b, heads, d, dtype=torch.bfloat16)
-    factor = torch.ones(s, b, heads, d)
+    factor = torch.ones(s, b, heads, d)  # the normalised input: 0.5 and 1.5 where grad is planted
+    factor[1, 0], factor[3, 1] = 0.5, 1.5
     for leaf, total in enumerate(totals):  # split over the leaf's heads and two tokens, exactly
         for head in range(leaf * per_leaf, (leaf + 1) * per_leaf):
             grad[1, 0, head] = grad[3, 1, head] = total / (2 * per_leaf)
-    exact = [grad[:, :, i * per_leaf:(i + 1) * per_leaf].double().sum(dim=(0, 1, 2)).float()
+    exact = [(grad.double() * factor.double())[:, :, i * per_leaf:(i + 1) * per_leaf].sum(dim=(0, 1, 2)).float()
              for i in range(len(totals))]
     leaves = [part for leaf in exact for part in [leaf] + [torch.zeros(d)] * (w // len(totals) - 1)]
     oracle = tree_sum(leaves)

@@ -993,3 +993,32 @@ def test_a_distributed_optimizers_shards_are_gathered_over_dp_before_the_norm_re
         grads = out["do_grads"]
         assert len(grads) == 2 and torch.equal(grads[0], true[:8].view(2, 4)), rank
         assert torch.equal(grads[1], true[8:].view(3, 4)), rank
+
+
+@pytest.mark.parametrize("tokens,batch,nb", [(8, 2, W), (7, 1, 1)])
+def test_the_token_blocked_router_gemm_with_a_bias_matches_an_fp64_oracle(invariant, tokens, batch, nb):
+    """The MoE router's gating GEMM (``TokenBlockedLinear``) with a bias, run per token block (W
+    blocks; one where the sequence does not divide W): output ``x W^T + b`` and every gradient
+    against FP64, small-integer operands so all are exact."""
+    from megapatch.numerics.block_tree import TokenBlockedLinear
+
+    rows = tokens * batch
+    x = _small((tokens, batch, 16), 3).requires_grad_(True)
+    weight = _small((4, 16), 4).requires_grad_(True)
+    bias = _small((4,), 5).add_(0.5).requires_grad_(True)
+    out = TokenBlockedLinear.apply(x, weight, bias, None, nb, False, torch.float32)
+    expected = x.detach().double() @ weight.detach().double().t() + bias.detach().double()
+    assert out.dtype == torch.float32 and torch.equal(out.double(), expected)
+    grad = _small((tokens, batch, 4), 6)
+    out.backward(grad)
+    assert torch.equal(bias.grad.double(), grad.double().sum(dim=(0, 1)))
+    assert torch.equal(weight.grad.double(), grad.double().reshape(rows, 4).t() @ x.detach().double().reshape(rows, 16))
+    assert torch.equal(x.grad.double(), grad.double() @ weight.detach().double())
+
+
+def test_blocks_that_do_not_divide_the_rows_are_an_error_not_dropped_rows():
+    from megapatch.numerics.block_tree import slices
+
+    assert slices(12, 4) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 12)]
+    with pytest.raises(ValueError, match="12 rows do not split into 8 equal blocks"):
+        slices(12, 8)
