@@ -12,12 +12,8 @@ PYTHON=${PYTHON:-python}
 T=tests
 slow=()
 MLM="$T/test_megatron_lm.py::test_tp_invariant"
-case $module in
-  megapatch/numerics/block_tree.py) tests=(
-    "$T/test_tp_invariant.py::test_tree_sum_adds_adjacent_pairs_level_by_level"
-    "$T/test_tp_invariant.py::test_a_tp_size_that_does_not_divide_the_width_is_refused"
-    "$T/test_tp_invariant.py::test_block_gemm_operands_follow_the_device"
-    "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
+# the in-process MoE and QK-norm tests, then the planted-oracle file, then every MoE layout
+MOE_AND_QK_NORM=(
     "$T/test_tp_invariant_moe.py::test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_size"
     "$T/test_tp_invariant_moe.py::test_expert_gemms_run_per_source_data_parallel_rank_and_their_wgrad_adds_the_sources_in_rank_order"
     "$T/test_tp_invariant_moe.py::test_expert_squares_are_added_in_layer_expert_parameter_order"
@@ -26,6 +22,13 @@ case $module in
     "$T/test_tp_invariant.py::test_a_qk_norm_whose_head_count_the_width_cannot_cut_is_refused_naming_both"
     "$T/test_tp_invariant_mutants.py"
     "$T/test_tp_invariant_moe.py")
+case $module in
+  megapatch/numerics/block_tree.py) tests=(
+    "$T/test_tp_invariant.py::test_tree_sum_adds_adjacent_pairs_level_by_level"
+    "$T/test_tp_invariant.py::test_a_tp_size_that_does_not_divide_the_width_is_refused"
+    "$T/test_tp_invariant.py::test_block_gemm_operands_follow_the_device"
+    "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
+    "${MOE_AND_QK_NORM[@]}")
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
   patches/tp_invariant.py) tests=(
@@ -33,14 +36,7 @@ case $module in
     "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
     "$T/test_tp_invariant.py::test_releases_before_the_verified_one_are_refused_naming_both"
     "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
-    "$T/test_tp_invariant_moe.py::test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_size"
-    "$T/test_tp_invariant_moe.py::test_expert_gemms_run_per_source_data_parallel_rank_and_their_wgrad_adds_the_sources_in_rank_order"
-    "$T/test_tp_invariant_moe.py::test_expert_squares_are_added_in_layer_expert_parameter_order"
-    "$T/test_tp_invariant_moe.py::test_doctor_refuses_the_moe_flags_the_run_refuses"
-    "$T/test_tp_invariant.py::test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size"
-    "$T/test_tp_invariant.py::test_a_qk_norm_whose_head_count_the_width_cannot_cut_is_refused_naming_both"
-    "$T/test_tp_invariant_mutants.py"
-    "$T/test_tp_invariant_moe.py")
+    "${MOE_AND_QK_NORM[@]}")
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
   patches/logits.py) tests=(
