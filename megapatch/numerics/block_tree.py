@@ -137,6 +137,10 @@ _all_gather_single = getattr(c10d, "all_gather_single", None) or c10d.all_gather
 
 
 def slices(size: int, nb: int) -> List[slice]:
+    """``nb`` equal consecutive slices of ``size``. The callers' shape checks make ``nb`` divide
+    ``size``; a remainder would drop rows from a sum, so it is an error here, never a truncation."""
+    if size % nb:
+        raise ValueError(f"megapatch tp_invariant: {size} rows do not split into {nb} equal blocks")
     step = size // nb
     return [slice(i * step, (i + 1) * step) for i in range(nb)]
 
