@@ -2,14 +2,17 @@
 with native BF16 reductions, fp32-accumulate, fp32 and tp-invariant (``tp_invariant=True``), on CPU
 (gloo ranks, real megatron-core).
 
-Two models (``--model``):
+Three models (``--model``):
 
 * ``gpt`` (the default): 2 layers, hidden 64, 8 heads, FFN 256, vocab 128, BF16; GELU MLP,
   LayerNorm, learned positions, biases;
 * ``llama``: the Llama family's layer: 2 layers, hidden 128, 16 heads in 8 KV groups
   (grouped-query attention), SwiGLU FFN 192, RMSNorm, RoPE, untied output layer, no biases, vocab
   128, BF16 (every TP-split size divisible by 8, so TP 8 works and ``tp-invariant`` applies: KV
-  groups >= TP).
+  groups >= TP);
+* ``moe``: a tiny Qwen3-MoE (QK RMSNorm, 8 experts top-2, alltoall dispatcher, 8 heads in 2 KV
+  groups, so TP 1/2/4), random weights only; the table adds the expert choices that changed
+  against TP 1 and against the FP32 reference.
 
 Why ``gpt`` stays the default: its figures are the documented ones (README's "Fresh machine",
 docs/results.md and results/tp_invariance.md quote what plain ``megapatch demo`` prints, bit for
@@ -20,7 +23,7 @@ nearly and tp-invariant exactly invariant on both models: results/tp_invariance_
 Llama-family users, most of megapatch's users, get their architecture with ``--model llama``; once
 the docs carry the Llama table, making it the default is a one-line change (``DEFAULT_MODEL``).
 
-Two variants of each model:
+Two variants of the gpt and llama models:
 
 * ``random``: the deterministic random initialisation (same full weights at every TP size);
 * ``outliers``: the same model with planted "massive activations": one token (the "period")
