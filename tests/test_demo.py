@@ -139,8 +139,15 @@ def test_without_matplotlib_the_demo_says_so_and_writes_no_plot(tmp_path, monkey
 def test_the_quick_demo_prints_the_documented_tp_1_and_2_rows_exactly(tmp_path):
     """docs/results.md and README quote what `megapatch demo` prints: the quick run (TP 1 and 2, the
     GELU GPT, random and planted outliers) must print those rows character for character. A change
-    to the model, the planted outliers, the batch or a metric changes a figure the docs show."""
+    to the model, the planted outliers, the batch or a metric changes a figure the docs show. The
+    figures are those of the CPU build docs/results.md was made with (torch 2.13.0): another torch
+    may round a BF16 kernel differently."""
+    import torch
+
     from megapatch.commands.demo import format_table
+
+    if not torch.__version__.startswith("2.13.0"):
+        pytest.skip(f"docs/results.md's figures are torch 2.13.0's; this is torch {torch.__version__}")
 
     table = tmp_path / "gpt.json"
     result = subprocess.run(
