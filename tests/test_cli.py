@@ -1,5 +1,6 @@
 """Command-line conventions: --version, exit codes in --help, demo usage errors, a quiet demo."""
 
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import megapatch
 from megapatch.commands.cli import main
 from megapatch.commands.demo import MODES, TP_SIZES, count_warnings
 
-from conftest import environ_without_megapatch
+from conftest import REPO, environ_without_megapatch
 
 
 def _usage_error(argv, capsys):
@@ -67,17 +68,25 @@ def test_count_warnings():
     assert count_warnings(text) == 2
 
 
-def test_demo_quick_keeps_upstream_warnings_out_of_the_way(tmp_path):
-    """The main job, as a newcomer runs it: progress, the table and where the plot went; the
-    ranks' upstream warnings (TE/Apex missing, deprecations) hidden and counted."""
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    """``megapatch demo --quick`` as a newcomer runs it (warnings shown unless hidden): its
+    result, plot path and JSON table, shared by the tests of its output and of its figures."""
+    tmp_path = tmp_path_factory.mktemp("quick-demo")
     env = environ_without_megapatch()
     env["PYTHONWARNINGS"] = "default"  # as in a fresh shell: warnings shown unless we hide them
-    plot = tmp_path / "tp.png"
+    plot, table = tmp_path / "tp.png", tmp_path / "tp.json"
     result = subprocess.run(
-        [sys.executable, "-m", "megapatch", "demo", "--quick", "--modes", "native,fp32",
-         "--plot", str(plot), "--json", str(tmp_path / "tp.json")],
+        [sys.executable, "-m", "megapatch", "demo", "--quick", "--plot", str(plot), "--json", str(table)],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result, plot, table
+
+
+def test_demo_quick_keeps_upstream_warnings_out_of_the_way(quick_demo):
+    """The main job, as a newcomer runs it: progress, the table and where the plot went; the
+    ranks' upstream warnings (TE/Apex missing, deprecations) hidden and counted."""
+    result, plot, table = quick_demo
     out = result.stdout
     assert "TP=1: done" in out and "TP=2: done" in out
     assert re.search(r"^\| outliers \| fp32 \| 2 \|", out, re.M)
@@ -91,7 +100,32 @@ def test_demo_quick_keeps_upstream_warnings_out_of_the_way(tmp_path):
         assert "matplotlib is not installed" in result.stderr
     else:
         assert f"plot written to {plot}" in out and plot.exists()
-    assert (tmp_path / "tp.json").exists()
+    assert table.exists()
+
+
+def test_the_quick_demo_prints_the_documented_tp_1_and_2_rows_exactly(quick_demo):
+    """docs/results.md and README quote what `megapatch demo` prints: the quick run (TP 1 and 2, the
+    GELU GPT, random and planted outliers) must print those rows character for character. A change
+    to the model, the planted outliers, the batch or a metric changes a figure the docs show. The
+    figures are those of the CPU build docs/results.md was made with (torch 2.13.0): another torch
+    may round a BF16 kernel differently."""
+    import json
+
+    import torch
+
+    from megapatch.commands.demo import format_table
+
+    if not torch.__version__.startswith("2.13.0"):
+        pytest.skip(f"docs/results.md's figures are torch 2.13.0's; this is torch {torch.__version__}")
+    rows = json.loads(quick_demo[2].read_text())
+    assert {(r["variant"], r["mode"], r["tp"]) for r in rows} == {
+        (v, m, tp) for v in ("random", "outliers") for m in MODES for tp in (1, 2)}
+    with open(os.path.join(REPO, "docs", "results.md")) as fh:
+        documented = fh.read().splitlines()
+    printed = format_table(rows).splitlines()[2:]
+    missing = [line for line in printed if line not in documented]
+    assert not missing, "\n".join(missing)
+    assert all(line in quick_demo[0].stdout.splitlines() for line in printed)  # as printed, not only as saved
 
 
 def test_lock_update_says_what_it_wrote_and_lock_then_compares_against_it(tmp_path, monkeypatch, capsys):
