@@ -333,3 +333,173 @@ def test_job_check_reads_every_rank_on_rank_0_and_rank_0_elsewhere():
 
     assert _job_ranks(Dist(0)) == (0, 1, 2, 3)
     assert _job_ranks(Dist(2)) == (0, 2)
+
+
+# -- the comparison loop itself, on a stand-in store and clock (in-process, no waiting) ----------
+# The rank jobs above show the check end to end; these pin its timing contract exactly: a late
+# entry is waited for up to the check timeout, a difference is re-read for the grace period (a
+# peer may be reconfiguring too), and each refusal names what it saw.
+
+class _Clock:
+    """``time`` for ``cross_rank``: ``sleep`` advances ``monotonic`` instead of waiting."""
+
+    START = 1000.0  # not zero: "now - start" and "now + start" must differ
+
+    def __init__(self):
+        self.now, self.sleeps = self.START, 0
+
+    @property
+    def elapsed(self):
+        return self.now - self.START
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert 0 < seconds < 1, seconds  # a poll, not a wait
+        self.now += seconds
+        self.sleeps += 1
+
+
+class _Store:
+    """A c10d store whose entries change at given times of ``clock``: ``{key: [(time, value)]}``
+    (value None: not published yet)."""
+
+    def __init__(self, clock, timeline):
+        self.clock, self.timeline = clock, timeline
+
+    def _value(self, key):
+        value = None
+        for at, text in self.timeline.get(key, ()):
+            if at <= self.clock.elapsed:
+                value = text
+        return value
+
+    def check(self, keys):
+        return all(self._value(k) is not None for k in keys)
+
+    def get(self, key):
+        value = self._value(key)
+        assert value is not None, key  # upstream's get blocks on a missing key: check first
+        return value.encode()
+
+
+def _comparison(monkeypatch, timeline, *, settings=None, grace=5.0, ranks=(0, 1), me=0, world=2,
+                scope="tp"):
+    """Run ``cross_rank._compare`` as rank ``me`` against ``timeline`` ({rank: [(time, entry)]});
+    return (clock, the refusal or None)."""
+    from types import SimpleNamespace
+
+    from megapatch.core import cross_rank, options
+
+    settings = settings or options.Settings(tp_reduce_dtype="fp32", check_timeout=30.0)
+    clock = _Clock()
+    mine = cross_rank._entry(settings)
+    timeline = {f"k{r}": [(0.0, mine)] if r == me else timeline.get(r, []) for r in ranks}
+    store = _Store(clock, timeline)
+    dist = SimpleNamespace(get_rank=lambda: me, get_world_size=lambda: world,
+                           distributed_c10d=SimpleNamespace(_get_default_store=lambda: store))
+    monkeypatch.setattr(cross_rank, "time", clock)
+    try:
+        cross_rank._compare(dist, tuple(ranks), "k{}".format, settings, grace=grace, scope=scope)
+    except CrossRankMismatchError as refusal:
+        return clock, str(refusal)
+    return clock, None
+
+
+def _entry_of(**options_):
+    from megapatch.core import cross_rank, options
+
+    return cross_rank._entry(options.Settings(**options_))
+
+
+def test_the_check_returns_at_once_when_every_entry_agrees_and_waits_for_a_late_one(monkeypatch):
+    agreeing = _entry_of(tp_reduce_dtype="fp32")
+    clock, refusal = _comparison(monkeypatch, {1: [(0.0, agreeing)], 2: [(0.0, agreeing)]}, ranks=(0, 1, 2))
+    assert refusal is None and clock.sleeps == 0
+    clock, refusal = _comparison(monkeypatch, {1: [(2.0, agreeing)]})  # published 2 s late
+    assert refusal is None and 2.0 <= clock.elapsed < 2.2, clock.elapsed
+
+
+def test_a_rank_that_never_publishes_is_named_after_the_check_timeout_not_before(monkeypatch):
+    from megapatch.core import options
+
+    agreeing = _entry_of(tp_reduce_dtype="fp32")
+    settings = options.Settings(tp_reduce_dtype="fp32", check_timeout=3.0)
+    clock, refusal = _comparison(monkeypatch, {1: [(0.0, agreeing)]}, settings=settings, ranks=(0, 1, 2, 3),
+                                 world=4)
+    assert refusal is not None and 3.0 <= clock.elapsed < 3.2, clock.elapsed
+    assert "rank(s) [2, 3] of tensor-parallel group [0, 1, 2, 3] published no megapatch settings within 3 s" \
+        " (MEGAPATCH_CHECK_TIMEOUT)" in refusal, refusal
+    assert "(here: tp_reduce_dtype=fp32;logits_dtype=native;" in refusal, refusal
+
+
+def test_a_difference_is_refused_after_the_grace_period_or_the_timeout_whichever_is_first(monkeypatch):
+    from megapatch.core import options
+
+    native = _entry_of()
+    for grace, timeout, at in ((5.0, 30.0, 5.0), (0.0, 30.0, 0.0), (5.0, 2.0, 2.0)):
+        settings = options.Settings(tp_reduce_dtype="fp32", check_timeout=timeout)
+        clock, refusal = _comparison(monkeypatch, {1: [(0.0, native)]}, settings=settings, grace=grace)
+        assert refusal is not None and at <= clock.elapsed < at + 0.2, (grace, timeout, clock.elapsed)
+        assert refusal.startswith("megapatch settings differ across tensor-parallel group [0, 1]: rank 1 runs "
+                                  "tp_reduce_dtype=native (this rank: fp32) (this is rank 0). Published: "
+                                  f"rank 0: {_entry_of(tp_reduce_dtype='fp32')}; rank 1: {native}."), refusal
+
+
+def test_a_peer_that_comes_to_agree_within_the_grace_period_is_not_refused(monkeypatch):
+    # a peer still on its earlier settings while it reconfigures, as this rank did a moment ago
+    timeline = {1: [(0.0, _entry_of(tp_reduce_dtype="fp32-accumulate")), (3.0, _entry_of(tp_reduce_dtype="fp32"))]}
+    clock, refusal = _comparison(monkeypatch, timeline, grace=5.0)
+    assert refusal is None and 3.0 <= clock.elapsed < 3.2, (clock.elapsed, refusal)
+
+
+def test_a_difference_is_named_before_a_missing_rank_and_a_switched_off_rank_by_its_kill_switch(monkeypatch):
+    from megapatch.core import options
+
+    off = f"megapatch {_entry_of().split(':')[0].split()[1]} [kill switch MEGAPATCH_DISABLE set]: " \
+          f"{options.NATIVE.fingerprint()}"
+    clock, refusal = _comparison(monkeypatch, {1: [(0.0, off)]}, ranks=(0, 1, 2), world=3, grace=0.0)
+    assert clock.sleeps == 0 and refusal is not None  # rank 2 missing: the difference is not held back
+    assert "rank 1 has megapatch switched off by the kill switch MEGAPATCH_DISABLE (this is rank 0)" in refusal
+    assert "published no" not in refusal and "rank 2" not in refusal.split("Published:")[1], refusal
+
+
+def test_the_job_wide_check_says_how_the_job_is_compared(monkeypatch):
+    clock, refusal = _comparison(monkeypatch, {0: [(0.0, _entry_of())]}, ranks=(0, 3), me=3, world=4,
+                                 grace=0.0, scope="job")
+    assert refusal.startswith("megapatch settings differ across the job (world size 4; rank 0 compares "
+                              "every rank, the others rank 0): rank 0 runs tp_reduce_dtype=native "
+                              "(this rank: fp32) (this is rank 3)."), refusal
+
+
+def test_no_check_runs_before_torch_distributed_is_initialised_or_megatron_built_its_groups(monkeypatch):
+    import sys
+
+    from megapatch.core import cross_rank, options
+
+    assert not torch.distributed.is_initialized()
+    assert cross_rank._dist() is None
+    settings = options.Settings(tp_reduce_dtype="fp32")
+    cross_rank.publish(settings)  # no-ops, no store to reach
+    cross_rank.model_parallel_initialized(settings)
+    cross_rank.ensure_group_agrees(object(), settings)
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", None)
+    assert cross_rank._tp_group() is None
+
+    class ParallelState:
+        initialised = False
+
+        def model_parallel_is_initialized(self):
+            return self.initialised
+
+        def get_tensor_model_parallel_group(self):
+            raise AssertionError("tensor model parallel group is not initialized")  # as upstream does
+
+    parallel_state = ParallelState()
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", parallel_state)
+    assert cross_rank._tp_group() is None
+    parallel_state.initialised = True
+    assert cross_rank._tp_group() is None  # half-built or torn down: nothing to check yet
+    parallel_state.get_tensor_model_parallel_group = lambda: "the group"
+    assert cross_rank._tp_group() == "the group"

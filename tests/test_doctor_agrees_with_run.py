@@ -287,3 +287,36 @@ def test_pretrain_gpt_stops_before_its_model_is_built_in_the_doctors_words(megat
     [listed] = doctor["refusals"].values()
     assert "the sequence length 36 (--seq-length) with --sequence-parallel at TP 2" in lines[0], lines[0]
     assert _said(lines[0]) in listed, (lines[0], listed)
+
+
+def test_transformer_engine_counts_as_missing_where_megatron_cores_layer_specs_could_not_import_it(monkeypatch):
+    """Where megatron-core's GPT layer specs are loaded, their own record decides (a TE installed but
+    failing to import leaves ``TESpecProvider`` undefined on core_v0.16.1, None on main); before,
+    whether a ``transformer_engine`` package is found. The cause says which of the two it is."""
+    import importlib.util
+
+    from megapatch.patches import cross_rank as patch
+
+    te = dict(transformer_impl="transformer_engine", spec=None, use_legacy_models=False)
+    found = {"transformer_engine": None}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found.get(name, "elsewhere"))
+    monkeypatch.delitem(sys.modules, patch.GPT_LAYER_SPECS, raising=False)
+    assert patch.transformer_engine_missing(types.SimpleNamespace(**te)) == "Transformer Engine is not installed"
+    found["transformer_engine"] = "a spec"
+    assert patch.transformer_engine_missing(types.SimpleNamespace(**te)) is None
+    for specs in (types.SimpleNamespace(), types.SimpleNamespace(TESpecProvider=None)):
+        monkeypatch.setitem(sys.modules, patch.GPT_LAYER_SPECS, specs)
+        assert patch.transformer_engine_missing(types.SimpleNamespace(**te)) == (
+            "Transformer Engine is installed, but megatron-core cannot import it")
+        stop = patch.transformer_engine_stop(types.SimpleNamespace(**te))
+        assert stop.startswith("Transformer Engine is installed, but megatron-core cannot import it, and "
+                               "--transformer-impl transformer_engine (Megatron-LM's default) needs it"), stop
+    monkeypatch.setitem(sys.modules, patch.GPT_LAYER_SPECS, types.SimpleNamespace(TESpecProvider=object))
+    found["transformer_engine"] = None  # the specs' record wins over the package search
+    assert patch.transformer_engine_missing(types.SimpleNamespace(**te)) is None
+    assert patch.transformer_engine_stop(types.SimpleNamespace(**te)) is None
+    monkeypatch.setitem(sys.modules, patch.GPT_LAYER_SPECS, types.SimpleNamespace(TESpecProvider=None))
+    for other in (dict(transformer_impl="local"), dict(spec=("my_specs", "layer_spec")), dict(use_legacy_models=True),
+                  dict(transformer_impl=None)):
+        assert patch.transformer_engine_missing(types.SimpleNamespace(**{**te, **other})) is None, other
+    assert patch.transformer_engine_missing(types.SimpleNamespace()) is None  # megatron-core alone: no flags

@@ -584,3 +584,136 @@ def test_a_model_logit_dtype_other_than_fp32_is_refused_naming_both_settings(mon
         with logits.lm_head(layer):
             assert layer.output_dtype is None
         assert layer.output_dtype is agreeing
+
+
+# -- contracts of the pieces, in-process (the rank jobs above show them end to end) ---------------
+
+def test_the_fp32_gemm_backends_are_called_as_their_contracts_say_and_return_a_new_fp32_tensor(
+        fresh_backends, monkeypatch):
+    """``linear_fp32`` hands TE's ``general_gemm`` (weight, input) with layout TN and takes element 0
+    of what it returns (TE returns a tuple), hands ``torch.mm`` (input, weight^T, out_dtype); any
+    leading dims are kept, the output dim is the weight's first, and the result is not a view (megatron's
+    cross entropy modifies FP32 logits in place). Stand-ins for the CUDA-only backends, labelled as such:
+    they compute the FP32 product the real ones return."""
+    fp32_gemm = fresh_backends
+    x, weight = _small_bf16((3, 2, 4), 90), _small_bf16((5, 4), 91)  # weight not square: dims are checked
+    want = (x.float().reshape(6, 4) @ weight.float().t()).reshape(3, 2, 5)
+    calls = []
+
+    def general_gemm(A, B, out_dtype=None, layout=None):  # TE: D = B @ A^T for layout "TN"
+        calls.append(("te", A.shape, B.shape, A.is_contiguous() and B.is_contiguous(), out_dtype, layout))
+        return (B.float() @ A.float().t(), None, None, None)
+
+    def mm(a, b, out_dtype=None):
+        calls.append(("mm", a.shape, b.shape, out_dtype))
+        return a.float() @ b.float()
+
+    for name in ("te-general-gemm", "torch-mm-out-dtype", "upcast"):
+        with monkeypatch.context() as m:
+            m.setattr(fp32_gemm, "backend", lambda device_type=None: name)
+            m.setattr(fp32_gemm, "_te_general_gemm", lambda: general_gemm)
+            if name == "torch-mm-out-dtype":
+                m.setattr(fp32_gemm.torch, "mm", mm)
+            out = fp32_gemm.linear_fp32(x, weight)
+            transposed = fp32_gemm.matmul_fp32(x, weight.t())
+        for result in (out, transposed):
+            assert result.dtype == torch.float32 and torch.equal(result, want), name
+            assert result._base is None, name  # not a view
+    assert calls == [("te", (5, 4), (6, 4), True, torch.float32, "TN")] * 2 + \
+        [("mm", (6, 4), (4, 5), torch.float32)] * 2
+
+
+def test_the_backend_of_a_tensor_follows_its_device_and_the_default_device_follows_cuda(fresh_backends, monkeypatch):
+    fp32_gemm = fresh_backends
+    with monkeypatch.context() as m:  # undone before the fixture clears the caches
+        m.setattr(fp32_gemm, "_te_general_gemm", lambda: "TE's general_gemm")  # stand-in: TE present
+        m.setattr(fp32_gemm.torch.cuda, "is_available", lambda: True)
+        assert fp32_gemm.backend() == "te-general-gemm" and fp32_gemm.backend("cpu") == "upcast"
+        m.setattr(fp32_gemm.torch.cuda, "is_available", lambda: False)
+        assert fp32_gemm.backend() == "upcast" and fp32_gemm.backend("cuda") == "te-general-gemm"
+
+
+def test_the_accumulator_mode_takes_only_a_low_precision_gemm_with_a_2d_weight_of_its_dtype():
+    """Inside an upstream linear forward the mode turns exactly the weight GEMM into an FP32-output
+    GEMM: a batched matmul (3-D second operand), a vector, FP32 or mixed-dtype operands, an ``out=``
+    call or another function reach torch as they are."""
+    from megapatch.numerics.fp32_output_linear import _FP32AccumulatorMode
+
+    a, w = _small_bf16((3, 4), 92), _small_bf16((4, 5), 93)
+    batched, vector = _small_bf16((2, 4, 5), 94), _small_bf16((4,), 95)
+    out_buffer = torch.empty(3, 5, dtype=torch.bfloat16)
+    with _FP32AccumulatorMode() as mode:
+        untouched = [torch.matmul(a, batched), torch.matmul(a, vector), torch.matmul(a.float(), w.float()),
+                     torch.add(a, a)]
+        torch.matmul(a, w, out=out_buffer)
+        with pytest.raises(RuntimeError):  # torch's own refusal of mixed dtypes, not an FP32 GEMM
+            torch.matmul(a, w.half())
+        assert mode.intercepted == 0
+        taken = [torch.matmul(a, w), a.matmul(w), torch.matmul(a.half(), w.half())]
+        assert mode.intercepted == 3
+    assert [t.dtype for t in untouched] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+    assert torch.equal(untouched[0], torch.matmul(a, batched)) and torch.equal(untouched[1], torch.matmul(a, vector))
+    assert out_buffer.dtype == torch.bfloat16 and torch.equal(out_buffer, torch.matmul(a, w))
+    for result in taken:
+        assert result.dtype == torch.float32 and torch.equal(result, a.float() @ w.float())
+
+
+def test_the_linear_apply_wrapper_asks_for_fp32_only_inside_a_request_and_only_of_low_precision_input(monkeypatch):
+    """``<LinearFunction>.apply``: no request, or an input that is not BF16/FP16, is upstream's call;
+    a request for FP32 runs ``FP32OutputLinear`` on the Function that was called, whose backward hands
+    upstream's backward the gradient in the input's dtype, as upstream returns it; any other request,
+    or keyword arguments it cannot forward, are refused."""
+    from megapatch.core.errors import UpstreamSurfaceError
+    from megapatch.numerics import fp32_output_linear as fol
+
+    seen = []
+
+    class Upstream(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return torch.matmul(x, w.t())
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            seen.append(grad.dtype)
+            return grad @ w, grad.transpose(-1, -2) @ x
+
+    x, w = _small_bf16((3, 4), 98).requires_grad_(), _small_bf16((5, 4), 99).requires_grad_()
+    upstream = lambda *args, **kwargs: ("upstream", args, kwargs)  # noqa: E731
+    assert fol.apply_wrapper(upstream, Upstream, (x, w), {})[0] == "upstream"  # no request
+    with fol.output_dtype(torch.float32):
+        assert fol.requested_output_dtype() is torch.float32
+        assert fol.apply_wrapper(upstream, Upstream, (x.float(), w.float()), {})[0] == "upstream"
+        assert fol.apply_wrapper(upstream, Upstream, (), {})[0] == "upstream"
+        out = fol.apply_wrapper(upstream, Upstream, (x, w), {})
+        with pytest.raises(UpstreamSurfaceError, match="unsupported linear output request"):
+            fol.apply_wrapper(upstream, Upstream, (x, w), {"extra": 1})
+    assert fol.requested_output_dtype() is None
+    assert out.dtype == torch.float32 and torch.equal(out, x.float() @ w.float().t())
+    grad = _small_bf16((3, 5), 100).float() / 3  # FP32 and not representable in BF16
+    out.backward(grad)
+    assert seen == [torch.bfloat16]
+    assert torch.equal(x.grad, grad.to(torch.bfloat16) @ w) and x.grad.dtype == torch.bfloat16
+    with fol.output_dtype(torch.float16):
+        with pytest.raises(UpstreamSurfaceError, match="unsupported linear output request torch.float16"):
+            fol.apply_wrapper(upstream, Upstream, (x, w), {})
+
+
+def test_the_head_path_says_which_device_and_whether_upstream_has_its_own_output_dtype(monkeypatch):
+    from types import SimpleNamespace
+
+    from megapatch.patches import logits
+
+    assert logits._device_type(SimpleNamespace(weight=torch.empty(2, device="meta"))) == "meta"
+    for available, default in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(logits.torch.cuda, "is_available", lambda: available)
+        assert logits._device_type(SimpleNamespace(weight=None)) == default  # tied weight passed per call
+        assert logits._device_type(SimpleNamespace()) == default
+    own = logits._path("cpu", True)
+    assert own.startswith("megapatch FP32-output GEMM (upcast), not megatron-core's own output_dtype (PR #6252)")
+    assert logits._path("cpu", False) == "megapatch FP32-output GEMM (upcast)"
+    for requested, foreign in ((None, False), ("fp32", False), ("float32", False), (torch.float32, False),
+                               ("bf16", True), (torch.bfloat16, True), (torch.float16, True)):
+        assert logits._foreign_logit_dtype(requested) is foreign, requested

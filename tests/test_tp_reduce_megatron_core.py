@@ -466,3 +466,124 @@ def test_a_layer_with_its_own_tp_group_is_reduced_in_fp32_over_that_group():
     for rank, found in enumerate(run_ranks(_own_tp_group, world_size=2, tp=1, timeout=300)):
         assert found["fp32"][:2] == ("torch.bfloat16", True), (rank, found)
         assert found["native"][1] is False, (rank, found)  # BF16-rounded partials: the oracle can fail
+
+
+# -- contracts of the pieces, in-process (the rank jobs above show them end to end) ---------------
+
+class _Work:
+    """A c10d work handle: records its waits, completes when waited."""
+
+    def __init__(self, events):
+        self.events, self.done = events, False
+
+    def wait(self, *args, **kwargs):
+        self.events.append(("wait", args, kwargs))
+        self.done = True
+        return "the work's result"
+
+    def is_completed(self):
+        return self.done
+
+    def exception(self):
+        return "asked the work"
+
+
+def test_an_async_handle_rounds_into_the_callers_tensor_once_after_the_work_and_only_on_wait():
+    from megapatch.numerics.fp32_collectives import CastBackOnWait, _done
+
+    events = []
+    work = _Work(events)
+    handle = _done(lambda: events.append("finish"), work, async_op=True)
+    assert isinstance(handle, CastBackOnWait) and events == []  # nothing before wait()
+    work.done = True
+    assert not handle.is_completed()  # the collective is done; the caller's tensor is not yet
+    assert handle.wait(timeout=3) == "the work's result"
+    assert events == [("wait", (), {"timeout": 3}), "finish"]
+    assert handle.is_completed()
+    assert handle.wait() == "the work's result" and events[-1] != "finish"  # rounded once
+    assert handle.exception() == "asked the work"  # everything else is the work's
+    # synchronous: wait for the work, then round; a collective that returned no work just rounds
+    events.clear()
+    assert _done(lambda: events.append("finish"), _Work(events), async_op=False) is None
+    assert events == [("wait", (), {}), "finish"]
+    events.clear()
+    assert _done(lambda: events.append("finish"), None, async_op=False) is None
+    assert events == ["finish"]
+
+
+@pytest.mark.parametrize("collective", ["all_reduce_", "reduce_scatter_"])
+def test_an_unknown_reduction_mode_is_refused_naming_it_and_the_valid_ones(collective):
+    from megapatch.numerics import fp32_collectives
+
+    x = torch.ones(4, dtype=torch.bfloat16)
+    args = (x, None, "bf16") if collective == "all_reduce_" else (x, x, None, "bf16")
+    with pytest.raises(ValueError, match=r"unknown tp_reduce_dtype mode 'bf16'; valid: fp32, fp32-accumulate$"):
+        getattr(fp32_collectives, collective)(*args)
+    assert torch.equal(x, torch.ones(4, dtype=torch.bfloat16))  # nothing touched
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors(monkeypatch):
+    """A group of one, megapatch's native mode, and a tensor that is neither BF16 nor FP16 (FP32,
+    integers) go to upstream's own collective; the settings check runs on every group of more than
+    one rank before the dtype is looked at (the first call on a group may carry an FP32 tensor);
+    no group means torch's default group, as torch.distributed takes it."""
+    from types import SimpleNamespace
+
+    from megapatch.core import cross_rank, options, state
+    from megapatch.patches import _common
+
+    checked = []
+    monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: checked.append((group, settings)))
+    world = _Group(3)
+    monkeypatch.setattr(_common, "c10d", SimpleNamespace(group=SimpleNamespace(WORLD=world)))
+    bf16 = torch.ones(2, dtype=torch.bfloat16)
+    monkeypatch.setattr(state, "_current", options.NATIVE)
+    assert _common.reduction_mode(bf16, _Group(2)) is None and checked == []
+    for mode in MODES:
+        settings = options.Settings(tp_reduce_dtype=mode)
+        monkeypatch.setattr(state, "_current", settings)
+        two = _Group(2)
+        assert _common.reduction_mode(bf16, _Group(1)) is None and checked == []
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
+            assert _common.reduction_mode(torch.ones(2, dtype=dtype), two) is None, dtype
+            assert checked.pop() == (two, settings)
+        for dtype in (torch.bfloat16, torch.float16):
+            assert _common.reduction_mode(torch.ones(2, dtype=dtype), two) == mode, dtype
+            assert checked.pop() == (two, settings)
+        assert _common.reduction_mode(bf16, None) == mode and checked.pop() == (world, settings)
+        assert checked == []
+
+
+def test_only_a_sum_is_taken_by_the_patched_collectives(monkeypatch):
+    """``dist_reduce_scatter_func`` and the dgrad ``all_reduce`` with another op (MAX, ...) go to
+    upstream's own collective untouched; a sum in FP32 mode does not."""
+    from megapatch.core import cross_rank, options, state
+    from megapatch.numerics import fp32_collectives
+    from megapatch.patches import tp_reduce_megatron_core as patch
+
+    monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: None)
+    monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype="fp32"))
+    taken = []
+    monkeypatch.setattr(fp32_collectives, "reduce_scatter_", lambda *a, **k: taken.append(("rs", a, k)))
+    monkeypatch.setattr(fp32_collectives, "all_reduce_", lambda *a, **k: taken.append(("ar", a, k)))
+    upstream = lambda *a, **k: ("upstream", a, k)  # noqa: E731
+    out, x, group = torch.empty(1, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), _Group(2)
+    MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
+    assert patch._layers_reduce_scatter(upstream, None, (out, x, MAX, group), {})[0] == "upstream"
+    assert patch._layers_reduce_scatter(upstream, None, (out, x), {"op": MAX, "group": group})[0] == "upstream"
+    with patch.scoped(patch._in_linear_backward, True):
+        assert patch._dgrad_all_reduce(upstream, None, (x, MAX, group), {})[0] == "upstream"
+        assert taken == []
+        patch._dgrad_all_reduce(upstream, None, (x,), {"group": group, "async_op": True})
+    patch._layers_reduce_scatter(upstream, None, (out, x, SUM, group, True), {})
+    assert taken == [("ar", (x, group, "fp32"), {"async_op": True}), ("rs", (out, x, group, "fp32"), {"async_op": True})]
+    # outside a linear layer's backward, torch.distributed.all_reduce is never megapatch's
+    assert patch._dgrad_all_reduce(upstream, None, (x, SUM, group), {})[0] == "upstream"

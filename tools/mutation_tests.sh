@@ -40,6 +40,8 @@ case $module in
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
   patches/logits.py) tests=(
+    "$T/test_logits.py::test_the_head_path_says_which_device_and_whether_upstream_has_its_own_output_dtype"
+    "$T/test_logits.py::test_a_model_logit_dtype_other_than_fp32_is_refused_naming_both_settings"
     "$T/test_logits.py::test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_it"
     "$T/test_logits.py::test_an_output_layer_other_than_column_parallel_linear_is_refused_at_construction"
     "$T/test_logits.py::test_a_model_built_with_its_own_bf16_logit_dtype_is_refused_at_construction"
@@ -47,8 +49,12 @@ case $module in
     "$T/test_logits.py::test_an_output_layer_swapped_in_after_construction_is_refused_at_forward"
     "$T/test_logits.py::test_the_marked_layer_must_run_or_the_model_call_fails"
     "$T/test_logits.py::test_mamba_model_forward_returns_fp32_logits"
-    "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract") ;;
+    "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract"
+    "$T/test_doctor.py::test_the_preflight_leaves_out_patches_the_user_opted_out_of"
+    "$T/test_logits_fp32_dynamic_inference.py::test_mtp_draft_logits_are_fp32") ;;
   megapatch/numerics/fp32_gemm.py) tests=(
+    "$T/test_logits.py::test_the_fp32_gemm_backends_are_called_as_their_contracts_say_and_return_a_new_fp32_tensor"
+    "$T/test_logits.py::test_the_backend_of_a_tensor_follows_its_device_and_the_default_device_follows_cuda"
     "$T/test_logits.py::test_torch_mm_out_dtype_is_probed_on_cuda_only_with_a_square_product"
     "$T/test_logits.py::test_te_general_gemm_is_taken_only_with_the_arguments_it_is_called_with"
     "$T/test_logits.py::test_integer_operands_give_fp32_words_equal_to_the_fp32_reference"
@@ -56,6 +62,9 @@ case $module in
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
     "$T/test_logits.py::test_gpt_fp32_logits_contract_and_accuracy") ;;
   megapatch/numerics/fp32_output_linear.py) tests=(
+    "$T/test_logits.py::test_the_accumulator_mode_takes_only_a_low_precision_gemm_with_a_2d_weight_of_its_dtype"
+    "$T/test_logits.py::test_the_linear_apply_wrapper_asks_for_fp32_only_inside_a_request_and_only_of_low_precision_input"
+    "$T/test_logits.py::test_the_fp32_gemm_backends_are_called_as_their_contracts_say_and_return_a_new_fp32_tensor"
     "$T/test_logits.py::test_the_fp32_accumulator_mode_gives_linear_its_bias_by_position_or_by_name"
     "$T/test_logits.py::test_an_upstream_forward_without_exactly_one_low_precision_gemm_is_refused"
     "$T/test_logits.py::test_integer_operands_give_fp32_words_equal_to_the_fp32_reference"
@@ -63,19 +72,35 @@ case $module in
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
     "$T/test_logits.py::test_gpt_fp32_logits_contract_and_accuracy") ;;
   megapatch/numerics/fp32_collectives.py|patches/tp_reduce_megatron_core.py) tests=(
+    "$T/test_tp_reduce_megatron_core.py::test_an_async_handle_rounds_into_the_callers_tensor_once_after_the_work_and_only_on_wait"
+    "$T/test_tp_reduce_megatron_core.py::test_an_unknown_reduction_mode_is_refused_naming_it_and_the_valid_ones"
+    "$T/test_tp_reduce_megatron_core.py::test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors"
+    "$T/test_tp_reduce_megatron_core.py::test_only_a_sum_is_taken_by_the_patched_collectives"
     "$T/test_tp_reduce_megatron_core.py::test_only_the_tp_layers_reduce_scatter_is_wrapped_not_torchs_function_elsewhere"
     "$T/test_tp_reduce_megatron_core.py::test_status_names_the_wire_and_accumulator_of_each_mode"
     "$T/test_tp_reduce_megatron_core.py::test_every_tp_reduction_equals_the_rank_order_fp32_oracle"
     "$T/test_tp_reduce_megatron_core.py::test_uneven_split_reduce_scatter_keeps_the_callers_dtype_and_equals_the_gathered_sum"
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
-    "$T/test_tp_reduce_megatron_core.py::test_disabled_megapatch_is_bit_identical_to_stock") ;;
+    "$T/test_tp_reduce_megatron_core.py::test_disabled_megapatch_is_bit_identical_to_stock"
+    "$T/test_tp_reduce_megatron_core.py::test_a_layer_with_its_own_tp_group_is_reduced_in_fp32_over_that_group"
+    "$T/test_tp_reduce_megatron_core.py::test_fp32_reductions_on_a_megatron_core_that_cannot_take_them_are_refused"
+    "$T/test_moe.py::test_fp32_keeps_expert_partials_fp32_into_the_dispatcher_and_rounds_once_at_the_layer"
+    "$T/test_lifecycle.py") ;;
   patches/_common.py) tests=(
+    "$T/test_tp_reduce_megatron_core.py::test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors"
     "$T/test_cross_rank.py::test_different_settings_in_one_tp_group_are_refused"
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
     "$T/test_tp_reduce_megatron_core.py::test_every_tp_reduction_equals_the_rank_order_fp32_oracle"
     "$T/test_tp_reduce_megatron_core.py::test_a_layer_with_its_own_tp_group_is_reduced_in_fp32_over_that_group"
     "$T/test_lifecycle.py") ;;
   megapatch/core/cross_rank.py) tests=(
+    "$T/test_cross_rank.py::test_the_check_returns_at_once_when_every_entry_agrees_and_waits_for_a_late_one"
+    "$T/test_cross_rank.py::test_a_rank_that_never_publishes_is_named_after_the_check_timeout_not_before"
+    "$T/test_cross_rank.py::test_a_difference_is_refused_after_the_grace_period_or_the_timeout_whichever_is_first"
+    "$T/test_cross_rank.py::test_a_peer_that_comes_to_agree_within_the_grace_period_is_not_refused"
+    "$T/test_cross_rank.py::test_a_difference_is_named_before_a_missing_rank_and_a_switched_off_rank_by_its_kill_switch"
+    "$T/test_cross_rank.py::test_the_job_wide_check_says_how_the_job_is_compared"
+    "$T/test_cross_rank.py::test_no_check_runs_before_torch_distributed_is_initialised_or_megatron_built_its_groups"
     "$T/test_cross_rank.py::test_reconfigured_forgets_verified_groups_and_arms_the_first_call_check"
     "$T/test_cross_rank.py::test_differences_name_each_differing_option_with_both_values"
     "$T/test_cross_rank.py::test_job_check_reads_every_rank_on_rank_0_and_rank_0_elsewhere"
@@ -88,7 +113,11 @@ case $module in
     "$T/test_cross_rank.py::test_data_parallel_replicas_with_different_settings_are_refused"
     "$T/test_cross_rank.py::test_data_parallel_replicas_at_tp1_with_different_settings_are_refused"
     "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch") ;;
-  patches/cross_rank.py) tests=("$T/test_cross_rank.py") ;;
+  patches/cross_rank.py) tests=(
+    "$T/test_doctor_agrees_with_run.py::test_transformer_engine_counts_as_missing_where_megatron_cores_layer_specs_could_not_import_it"
+    "$T/test_doctor_agrees_with_run.py::test_transformer_engine_missing_stops_the_run_in_the_doctors_words_only_where_megapatch_is_active"
+    "$T/test_doctor.py::test_transformer_engine_missing_is_said_first_before_any_megapatch_reason"
+    "$T/test_cross_rank.py") ;;
   patches/logits_fp32_inference.py) tests=(
     "$T/test_logits_fp32_dynamic_inference.py::test_a_logits_buffer_allocated_in_params_dtype_becomes_fp32"
     "$T/test_logits_fp32_dynamic_inference.py::test_an_unknown_logits_buffer_is_refused_at_enable"

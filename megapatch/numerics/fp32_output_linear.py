@@ -54,7 +54,7 @@ class _FP32AccumulatorMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self._GEMMS and len(args) >= 2 and not kwargs.get("out"):
+        if func in self._GEMMS and len(args) >= 2 and kwargs.get("out") is None:
             a, b = args[0], args[1]
             if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.dim() == 2
                     and a.dtype in LOW_PRECISION and b.dtype == a.dtype):
