@@ -503,3 +503,22 @@ def test_no_check_runs_before_torch_distributed_is_initialised_or_megatron_built
     assert cross_rank._tp_group() is None  # half-built or torn down: nothing to check yet
     parallel_state.get_tensor_model_parallel_group = lambda: "the group"
     assert cross_rank._tp_group() == "the group"
+
+
+# -- issue 28 item 8: survivors of the sixth fresh mutation sample (seed 33) ----------------------
+
+def test_a_wrapper_called_before_any_configuration_runs_no_settings_check():
+    """The kill switch's announcing wrapper is installed without a configuration: until one asks for
+    a change, a patched call checks nothing (a fresh process, so the module's own initial state)."""
+    code = ("from megapatch.core import cross_rank\n"
+            "from megapatch.core.wrappers import MegapatchWrapper\n"
+            "checks = []\n"
+            "cross_rank.check_first_call = lambda: checks.append('check')\n"
+            "wrapper = MegapatchWrapper(lambda: 'upstream', lambda inner, instance, a, k: inner(*a, **k), 'announce')\n"
+            "print(wrapper(), checks)\n"
+            "cross_rank.pending = True\n"
+            "print(wrapper(), checks)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=environ_without_megapatch())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["upstream []", "upstream ['check']"], done.stdout  # the control: armed, it checks

@@ -717,3 +717,32 @@ def test_the_head_path_says_which_device_and_whether_upstream_has_its_own_output
     for requested, foreign in ((None, False), ("fp32", False), ("float32", False), (torch.float32, False),
                                ("bf16", True), (torch.bfloat16, True), (torch.float16, True)):
         assert logits._foreign_logit_dtype(requested) is foreign, requested
+
+
+# -- issue 28 item 8: survivors of the sixth fresh mutation sample (seed 33) ----------------------
+
+def test_model_construction_refuses_only_under_fp32_logits_and_only_a_model_with_an_output_layer(monkeypatch):
+    """A pipeline stage before the last has no output layer: nothing to refuse under fp32 logits.
+    With megapatch's logits native, a model's own logit dtype or head is upstream's business."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megapatch.core import options, state
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import logits
+
+    built = []
+    construct = lambda *a, **k: built.append((a, k))  # noqa: E731
+    own_dtype = object.__new__(ColumnParallelLinear)
+    torch.nn.Module.__init__(own_dtype)
+    own_dtype.output_dtype = torch.bfloat16
+    for head in (torch.nn.Linear(2, 2), own_dtype):
+        monkeypatch.setattr(state, "_current", options.NATIVE)
+        logits._model_init(construct, SimpleNamespace(output_layer=head), (1,), {"k": 2})
+        monkeypatch.setattr(state, "_current", options.Settings(logits_dtype="fp32"))
+        with pytest.raises(UnsupportedConfigurationError):
+            logits._model_init(construct, SimpleNamespace(output_layer=head), (1,), {"k": 2})
+    logits._model_init(construct, SimpleNamespace(output_layer=None), (), {})
+    logits._model_init(construct, SimpleNamespace(), (), {})
+    assert built == [((1,), {"k": 2})] * 4 + [((), {})] * 2  # upstream's construction ran first, every time

@@ -587,3 +587,85 @@ def test_only_a_sum_is_taken_by_the_patched_collectives(monkeypatch):
     assert taken == [("ar", (x, group, "fp32"), {"async_op": True}), ("rs", (out, x, group, "fp32"), {"async_op": True})]
     # outside a linear layer's backward, torch.distributed.all_reduce is never megapatch's
     assert patch._dgrad_all_reduce(upstream, None, (x, SUM, group), {})[0] == "upstream"
+
+
+# -- issue 28 item 8: survivors of the sixth fresh mutation sample (seed 33) ----------------------
+
+def test_a_patch_serving_an_option_applies_exactly_when_the_option_has_that_value():
+    """``when(option, value)``: equal, not ordered -- "native" sorts after "fp32", 16 after 8."""
+    from megapatch.core.options import Settings
+    from megapatch.patches._common import when
+
+    fp32_logits = when("logits_dtype", "fp32")
+    assert fp32_logits(Settings(logits_dtype="fp32")) is True and fp32_logits(Settings()) is False
+    width_8 = when("tp_invariant_width", 8)
+    assert [width_8(Settings(tp_invariant_width=w)) for w in (4, 8, 16)] == [False, True, False]
+
+
+def test_the_patched_collectives_read_torchs_signatures_by_position_by_keyword_and_by_default(monkeypatch):
+    """``torch.distributed.all_reduce(tensor, op, group, async_op)`` and ``reduce_scatter_tensor(output,
+    input, op, group, async_op)``: megatron-core passes group and async_op by keyword, but a caller may
+    pass them by position; not passing async_op means a synchronous call (None returned, the result in
+    place), never a handle nobody waits on."""
+    from megapatch.core import cross_rank, options, state
+    from megapatch.numerics import fp32_collectives
+    from megapatch.patches import tp_reduce_megatron_core as patch
+
+    monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: None)
+    monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype="fp32-accumulate"))
+    taken = []
+    monkeypatch.setattr(fp32_collectives, "reduce_scatter_", lambda *a, **k: taken.append(("rs", a, k)))
+    monkeypatch.setattr(fp32_collectives, "all_reduce_", lambda *a, **k: taken.append(("ar", a, k)))
+    upstream = lambda *a, **k: ("upstream", a, k)  # noqa: E731
+    out, x, group = torch.empty(1, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), _Group(2)
+    SUM = torch.distributed.ReduceOp.SUM
+    with patch.scoped(patch._in_linear_backward, True):
+        patch._dgrad_all_reduce(upstream, None, (x, SUM, group, True), {})
+        patch._dgrad_all_reduce(upstream, None, (x, SUM, group), {})
+        patch._dgrad_all_reduce(upstream, None, (x,), {"op": SUM, "group": group})
+    patch._layers_reduce_scatter(upstream, None, (out, x, SUM, group), {})
+    patch._layers_reduce_scatter(upstream, None, (out, x), {"group": group, "async_op": True})
+    mode = "fp32-accumulate"
+    assert taken == [("ar", (x, group, mode), {"async_op": True}), ("ar", (x, group, mode), {"async_op": False}),
+                     ("ar", (x, group, mode), {"async_op": False}), ("rs", (out, x, group, mode), {"async_op": False}),
+                     ("rs", (out, x, group, mode), {"async_op": True})]
+
+
+def test_row_parallel_asks_for_its_fp32_accumulator_only_where_a_reduction_follows(monkeypatch):
+    """fp32 mode: a row-parallel layer of a TP group of more than one rank hands its FP32 GEMM
+    accumulator to the reduction and returns the caller's dtype; a layer alone in its group (TP 1),
+    or an expert layer whose communication is the dispatcher's, runs upstream's forward untouched
+    (no FP32 request: zero cost); inside an MoE layer that sums on (``MOE_FP32_SUM``) the FP32 output
+    is kept; an upstream that ignored the request is refused."""
+    from types import SimpleNamespace
+
+    from megapatch.core import options, state
+    from megapatch.core.errors import UpstreamSurfaceError
+    from megapatch.numerics import fp32_output_linear
+    from megapatch.patches import tp_reduce_megatron_core as patch
+    from megapatch.patches._common import MOE_FP32_SUM
+
+    monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype="fp32"))
+    x = torch.ones(2, 3, dtype=torch.bfloat16)
+    requests = []
+
+    def upstream(input_, output_dtype=None):
+        requests.append(fp32_output_linear.requested_output_dtype())
+        return (input_.to(output_dtype or fp32_output_linear.requested_output_dtype() or input_.dtype) / 3,
+                "bias")
+
+    def forward(layer, dtype=None):
+        return patch._row_parallel_forward(lambda *a, **k: upstream(*a, output_dtype=dtype, **k), layer, (x,), {})
+
+    alone, expert = SimpleNamespace(tp_group=_Group(1)), SimpleNamespace(tp_group=_Group(2), explicit_expert_comm=True)
+    for layer in (alone, expert):
+        out, bias = forward(layer)
+        assert requests.pop() is None and out.dtype == torch.bfloat16 and bias == "bias"
+    out, bias = forward(SimpleNamespace(tp_group=_Group(2)))
+    assert requests.pop() is torch.float32 and out.dtype == torch.bfloat16 and bias == "bias"
+    assert torch.equal(out, (x.float() / 3).to(torch.bfloat16))
+    summed_on = SimpleNamespace(tp_group=_Group(1), **{MOE_FP32_SUM: True})
+    out, _ = forward(summed_on)
+    assert requests.pop() is torch.float32 and out.dtype == torch.float32
+    with pytest.raises(UpstreamSurfaceError, match="RowParallelLinear produced torch.bfloat16, not its FP32"):
+        forward(SimpleNamespace(tp_group=_Group(2)), dtype=torch.bfloat16)

@@ -40,6 +40,7 @@ case $module in
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
   patches/logits.py) tests=(
+    "$T/test_logits.py::test_model_construction_refuses_only_under_fp32_logits_and_only_a_model_with_an_output_layer"
     "$T/test_logits.py::test_the_head_path_says_which_device_and_whether_upstream_has_its_own_output_dtype"
     "$T/test_logits.py::test_a_model_logit_dtype_other_than_fp32_is_refused_naming_both_settings"
     "$T/test_logits.py::test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_it"
@@ -76,6 +77,8 @@ case $module in
     "$T/test_tp_reduce_megatron_core.py::test_an_unknown_reduction_mode_is_refused_naming_it_and_the_valid_ones"
     "$T/test_tp_reduce_megatron_core.py::test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors"
     "$T/test_tp_reduce_megatron_core.py::test_only_a_sum_is_taken_by_the_patched_collectives"
+    "$T/test_tp_reduce_megatron_core.py::test_the_patched_collectives_read_torchs_signatures_by_position_by_keyword_and_by_default"
+    "$T/test_tp_reduce_megatron_core.py::test_row_parallel_asks_for_its_fp32_accumulator_only_where_a_reduction_follows"
     "$T/test_tp_reduce_megatron_core.py::test_only_the_tp_layers_reduce_scatter_is_wrapped_not_torchs_function_elsewhere"
     "$T/test_tp_reduce_megatron_core.py::test_status_names_the_wire_and_accumulator_of_each_mode"
     "$T/test_tp_reduce_megatron_core.py::test_every_tp_reduction_equals_the_rank_order_fp32_oracle"
@@ -87,6 +90,7 @@ case $module in
     "$T/test_moe.py::test_fp32_keeps_expert_partials_fp32_into_the_dispatcher_and_rounds_once_at_the_layer"
     "$T/test_lifecycle.py") ;;
   patches/_common.py) tests=(
+    "$T/test_tp_reduce_megatron_core.py::test_a_patch_serving_an_option_applies_exactly_when_the_option_has_that_value"
     "$T/test_tp_reduce_megatron_core.py::test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors"
     "$T/test_cross_rank.py::test_different_settings_in_one_tp_group_are_refused"
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
@@ -94,6 +98,7 @@ case $module in
     "$T/test_tp_reduce_megatron_core.py::test_a_layer_with_its_own_tp_group_is_reduced_in_fp32_over_that_group"
     "$T/test_lifecycle.py") ;;
   megapatch/core/cross_rank.py) tests=(
+    "$T/test_cross_rank.py::test_a_wrapper_called_before_any_configuration_runs_no_settings_check"
     "$T/test_cross_rank.py::test_the_check_returns_at_once_when_every_entry_agrees_and_waits_for_a_late_one"
     "$T/test_cross_rank.py::test_a_rank_that_never_publishes_is_named_after_the_check_timeout_not_before"
     "$T/test_cross_rank.py::test_a_difference_is_refused_after_the_grace_period_or_the_timeout_whichever_is_first"
