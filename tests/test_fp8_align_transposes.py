@@ -548,3 +548,178 @@ def test_only_a_model_whose_quantized_parameters_are_all_mxfp8_passes_through(mo
     reason = _decision(monkeypatch, [("mxfp8", "bf16"), ("mxfp8",)])
     assert reason == "MXFP8 parameters: TE's post-all-gather processing is a no-op", reason
     assert _decision(monkeypatch, [("bf16",), ("bf16",)]).startswith("no FP8 parameters")
+
+
+# -- every reason the alignment passes through, and the pieces it reads (labelled stand-ins) -------
+
+def _why_not_after(monkeypatch, change):
+    """``_why_not`` on the all-FP8 stand-in model of ``_decision`` (two chunks) after ``change(model,
+    pgb, call)`` edits it; ``call`` holds ``args`` and ``kwargs``. The changes touch the *last*
+    chunk: a check of the first chunk only would miss them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import megatron.core.distributed.param_and_grad_buffer as real_pgb
+    from megapatch.patches import fp8_align_transposes as pm
+
+    monkeypatch.setattr(pm, "_unwrap_ddp", lambda chunk: chunk)
+    config = SimpleNamespace(param_sync_func=[lambda: None] * 2)
+    model = [_StandInDDP(config, [torch.nn.Parameter(torch.zeros(2))]) for _ in range(2)]
+    pgb = SimpleNamespace(_ParamAndGradBucketGroup=real_pgb._ParamAndGradBucketGroup,
+                          post_all_gather_processing=lambda params: None,  # STAND-IN for TE's processing
+                          is_float8tensor=lambda t: True, is_mxfp8tensor=lambda t: False)
+    call = {"args": (), "kwargs": dict(model=model, forward_step_func=None, data_iterator=None, num_microbatches=4)}
+    change(model, pgb, call)
+    return pm._why_not(call["args"], call["kwargs"], pgb)
+
+
+def _set(obj, **values):
+    for name, value in values.items():
+        setattr(obj, name, value)
+
+
+WHY_NOT = {
+    "positional": (lambda m, p, c: c.update(args=(None,)), "called with positional arguments"),
+    "one chunk": (lambda m, p, c: c["kwargs"].update(model=m[:1]), "no virtual pipeline"),
+    "not a list": (lambda m, p, c: c["kwargs"].update(model=m[0]), "no virtual pipeline"),
+    "forward only": (lambda m, p, c: c["kwargs"].update(forward_only=True), "forward_only"),
+    "no param_sync_func": (lambda m, p, c: _set(m[1].config, param_sync_func=None), "config.param_sync_func is None"),
+    "no DDP processing": (lambda m, p, c: _set(p, post_all_gather_processing=None) or delattr(p, "post_all_gather_processing")
+                          or _set(p, _ParamAndGradBucketGroup=type("Group", (), {})), "megatron-core < 0.16"),
+    "no distributed optimizer": (lambda m, p, c: _set(m[1].ddp_config, use_distributed_optimizer=False),
+                                 "overlap_param_gather is off"),
+    "no overlap": (lambda m, p, c: _set(m[1].ddp_config, overlap_param_gather=False), "overlap_param_gather is off"),
+    "no forward hook": (lambda m, p, c: _set(m[1], use_forward_hook=False), "overlap_param_gather is off"),
+    "pre-hooks removed": (lambda m, p, c: _set(m[1], remove_forward_pre_hook_handles={}),
+                          "DDP forward pre-hooks are disabled"),
+    "MXFP8 grad-buffer reuse": (lambda m, p, c: _set(m[1].ddp_config, reuse_grad_buf_for_mxfp8_param_ag=True),
+                                "MXFP8 with reuse_grad_buf_for_mxfp8_param_ag"),
+    "bucket group without handle": (lambda m, p, c: delattr(m[1].bucket_groups[0], "param_gather_handle"),
+                                    "bucket groups have no param_gather_handle"),
+    "expert group without dispatch flag": (
+        lambda m, p, c: m[1].expert_parallel_bucket_groups.append(type("Group", (), {"params": []})()),
+        "bucket groups have no param_gather_handle"),
+    "no FP8 parameter": (lambda m, p, c: _set(p, is_float8tensor=lambda t: False), "no FP8 parameters"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WHY_NOT))
+def test_each_reason_to_pass_through_is_found_on_any_chunk_and_named(monkeypatch, case):
+    change, reason = WHY_NOT[case]
+    assert _why_not_after(monkeypatch, lambda m, p, c: None) is None  # the control: aligned
+    found = _why_not_after(monkeypatch, change)
+    assert found is not None and found.startswith(reason), (case, found)
+
+
+def test_a_te_before_2_10_is_named_where_megatron_dispatches_its_processing_to_nothing(monkeypatch):
+    """megatron-core's ``fp8_utils.post_all_gather_processing`` with no TE function behind it
+    (TE < 2.10: ``te_post_all_gather_processing`` None) does nothing: nothing to align."""
+    from megatron.core import fp8_utils
+
+    def megatrons_dispatcher(model, pgb, call):
+        pgb.post_all_gather_processing = fp8_utils.post_all_gather_processing
+
+    monkeypatch.setattr(fp8_utils, "te_post_all_gather_processing", None)
+    assert _why_not_after(monkeypatch, megatrons_dispatcher).startswith("Transformer Engine < 2.10")
+    monkeypatch.setattr(fp8_utils, "te_post_all_gather_processing", lambda params: None)  # TE >= 2.10
+    assert _why_not_after(monkeypatch, megatrons_dispatcher) is None
+
+
+def test_a_chunks_ddp_is_found_through_up_to_four_module_wrappers():
+    import torch
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megapatch.patches.fp8_align_transposes import _unwrap_ddp
+
+    ddp = object.__new__(DistributedDataParallel)  # the type is what is read; nothing is built
+    torch.nn.Module.__init__(ddp)
+
+    def wrapped(inner, times):
+        for _ in range(times):
+            outer = torch.nn.Module()
+            outer.module = inner
+            inner = outer
+        return inner
+
+    assert [_unwrap_ddp(wrapped(ddp, n)) is ddp for n in range(5)] == [True, True, True, True, False]
+    assert _unwrap_ddp(wrapped(torch.nn.Linear(1, 1), 2)) is None
+    assert _unwrap_ddp(torch.nn.Linear(1, 1)) is None
+
+
+def test_the_pipeline_rank_is_read_from_the_communicator_then_the_process_groups_then_megatrons_state(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megapatch.patches.fp8_align_transposes import _pp_rank
+
+    group = lambda rank: SimpleNamespace(rank=lambda: rank)  # noqa: E731
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 7)
+    assert _pp_rank({"p2p_communicator": SimpleNamespace(pp_group=group(3)), "pg_collection": SimpleNamespace(pp=group(5))}) == 3
+    assert _pp_rank({"p2p_communicator": SimpleNamespace(pp_group=None), "pg_collection": SimpleNamespace(pp=group(5))}) == 5
+    assert _pp_rank({"p2p_communicator": SimpleNamespace(), "pg_collection": SimpleNamespace(pp=None)}) == 7
+    assert _pp_rank({}) == 7
+
+
+def test_quantized_parameters_are_recognised_by_each_releases_own_test_and_counted_once_per_dispatch(monkeypatch):
+    """0.19+: ``_param_uses_quantized_storage``; earlier: ``is_float8tensor``, then 0.18's
+    ``is_nvfp4tensor``. The counts are cached per chunk until the dispatch function changes."""
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from megapatch.patches import fp8_align_transposes as pm
+
+    a, b = torch.zeros(1), torch.zeros(2)
+    assert pm._is_quantized(SimpleNamespace(_param_uses_quantized_storage=lambda p: p is a, is_float8tensor=lambda p: True), b) is False
+    assert pm._is_quantized(SimpleNamespace(_param_uses_quantized_storage=lambda p: p is a), a) is True
+    assert pm._is_quantized(SimpleNamespace(is_float8tensor=lambda p: p is a), a) is True
+    assert pm._is_quantized(SimpleNamespace(is_float8tensor=lambda p: False, is_nvfp4tensor=lambda p: p is b), b) is True
+    assert pm._is_quantized(SimpleNamespace(is_float8tensor=lambda p: False, is_nvfp4tensor=lambda p: False), b) is False
+    assert pm._is_quantized(SimpleNamespace(), a) is False
+
+    monkeypatch.setattr(pm, "_quant_cache", weakref.WeakKeyDictionary())
+    group, expert_group = _FakeBucketGroup(), _FakeBucketGroup()
+    group.params, expert_group.params = [a, b], [b]
+    chunk = type("Chunk", (), {})()  # weak-referenceable: the cache is keyed by the chunk's DDP
+    chunk.bucket_groups, chunk.expert_parallel_bucket_groups = [group], [expert_group]
+    first = SimpleNamespace(is_float8tensor=lambda p: True, is_mxfp8tensor=lambda p: p is b)
+    assert pm._quantized_kinds(first, chunk) == {"quantized": 3, "mxfp8": 2, "float8": 0}
+    group.params.append(torch.zeros(3))
+    assert pm._quantized_kinds(first, chunk) == {"quantized": 3, "mxfp8": 2, "float8": 0}  # cached
+    second = SimpleNamespace(is_float8tensor=lambda p: p is a, is_mxfp8tensor=lambda p: False)
+    assert pm._quantized_kinds(second, chunk) == {"quantized": 1, "mxfp8": 0, "float8": 0}  # recounted
+
+
+def test_the_backend_says_the_last_decision(monkeypatch):
+    from megapatch.patches import fp8_align_transposes as pm
+
+    monkeypatch.setattr(pm, "last_decision", {"aligned": True, "reason": "aligned", "chunks": 3})
+    assert pm._backend() == "aligned 3 chunks at param-sync slots (last call)"
+    monkeypatch.setattr(pm, "last_decision", {"aligned": False, "reason": "forward_only (...)", "chunks": 0})
+    assert pm._backend() == "passing through: forward_only (...)"
+
+
+def test_the_probe_names_each_piece_of_the_bucket_group_it_relies_on(monkeypatch):
+    import megatron.core.distributed.param_and_grad_buffer as real_pgb
+
+    from megapatch.patches import fp8_align_transposes as pm
+
+    assert pm._probe() is None
+    group = real_pgb._ParamAndGradBucketGroup
+    with monkeypatch.context() as m:
+        m.setattr(group, "finish_param_sync", lambda self, force_sync=False: None)
+        assert pm._probe() == "_ParamAndGradBucketGroup.finish_param_sync has no skip_next_bucket_dispatch parameter"
+    with monkeypatch.context() as m:
+        m.delattr(group, "finish_param_sync")
+        assert pm._probe().endswith("_ParamAndGradBucketGroup.finish_param_sync does not exist")
+    with monkeypatch.context() as m:
+        def __init__(self, buckets):
+            self.param_gather_handle = None  # no param_gather_dispatched any more
+        m.setattr(group, "__init__", __init__)
+        assert pm._probe() == "_ParamAndGradBucketGroup no longer sets param_gather_dispatched"
+    with monkeypatch.context() as m:
+        m.delattr(real_pgb, "_ParamAndGradBucketGroup")
+        assert pm._probe().endswith("._ParamAndGradBucketGroup does not exist")

@@ -491,3 +491,99 @@ def test_fp8_pass_through_is_logged_once(caplog):
 def test_status_serialises_with_the_new_options():
     status = megapatch.enable(tp_reduce_dtype="fp32", skip_patches="tp_reduce.transformer_engine")
     json.dumps(status.as_dict())
+
+
+# -- wrappers: install and uninstall on stand-in modules (every alias, inherited attributes) -------
+
+def _module(name, **attributes):
+    import types
+
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    return module
+
+
+def test_aliases_are_found_in_every_module_but_the_skipped_packages_and_put_back_everywhere(monkeypatch):
+    """Install binds the wrapper into every module holding the original (``from``-imports), except
+    the owner and the packages that cannot hold upstream functions (torch, numpy, ... matched as
+    the name or a dotted prefix, not as a bare prefix: ``torchvision`` is scanned). Uninstall puts
+    the original back in every module that holds the wrapper, skipped packages included."""
+    import sys
+
+    from megapatch.core import wrappers
+    from megapatch.core.registry import Target
+
+    def original(x):
+        return ("original", x)
+
+    owner = _module("mp_stand_in_upstream", fn=original)
+    holders = {name: _module(name, alias=original) for name in
+               ("mp_stand_in_client", "torchvision_like", "torch.mp_stand_in", "numpy")}
+    monkeypatch.setitem(sys.modules, "mp_stand_in_upstream", owner)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_none", None)  # a failed import leaves None
+    monkeypatch.setitem(sys.modules, "mp_stand_in_not_a_module", object())
+    for name, module in holders.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    assert [wrappers._skipped(n) for n in ("torch", "torch.x", "torchvision", "numpyro", "numpy")] == \
+        [True, True, False, False, True]
+    installed = wrappers.install(Target("mp_stand_in_upstream", "fn", lambda w, i, a, k: ("wrapped", w(*a, **k))),
+                                 "test.patch")
+    assert owner.fn(1) == ("wrapped", ("original", 1))
+    rebound = {name for name, module in holders.items() if module.alias is not original}
+    assert rebound == {"mp_stand_in_client", "torchvision_like"}
+    assert {m.__name__ for m, _ in installed.aliases} == rebound
+    holders["numpy"].alias = owner.fn  # taken while installed, in a skipped package
+    wrappers.uninstall(installed)
+    assert owner.fn is original and all(m.alias is original for m in holders.values())
+    assert not installed.wrapper._self_switch.on
+
+
+def test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute():
+    """A target inherited from a base class is set on the subclass while installed; uninstall
+    deletes it (the class inherits again), instead of pinning the original on the subclass."""
+    import sys
+    import types
+
+    from megapatch.core import wrappers
+    from megapatch.core.registry import Target
+
+    class Base:
+        def forward(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    module = _module("mp_stand_in_inherit", Child=Child)
+    sys.modules["mp_stand_in_inherit"] = module
+    try:
+        installed = wrappers.install(Target("mp_stand_in_inherit", "Child.forward",
+                                            lambda w, i, a, k: "wrapped " + w(*a, **k), kind="method"), "test.patch")
+        assert "forward" in Child.__dict__ and Child().forward() == "wrapped base"
+        wrappers.uninstall(installed)
+        assert "forward" not in Child.__dict__ and Child().forward() == "base"
+        Base.forward = lambda self: "changed base"
+        assert Child().forward() == "changed base"  # inherits again
+    finally:
+        del sys.modules["mp_stand_in_inherit"]
+    assert isinstance(module, types.ModuleType)
+
+
+def test_a_proxy_whose_wrapped_attribute_raises_ends_the_search_and_unreachable_functions_do_not_pickle():
+    from megapatch.core import wrappers
+
+    class Exotic:
+        @property
+        def __wrapped__(self):
+            raise RuntimeError("no chain here")
+
+    assert wrappers.find_megapatch_wrapper(Exotic()) is None and not wrappers.is_megapatch_wrapper(Exotic())
+
+    def local():
+        pass
+
+    for unreachable in (local, lambda: None, staticmethod(local)):
+        with pytest.raises(TypeError, match="not reachable by module and qualified name"):
+            wrappers._by_reference(unreachable)
+    getter, (module,) = wrappers._by_reference(pickle.dumps)
+    assert getter(pickle.loads(pickle.dumps(module))) is pickle.dumps

@@ -218,3 +218,140 @@ def test_only_the_controllers_logits_broadcast_is_wrapped_not_the_shared_functio
     assert communication_utils.broadcast_from_last_pipeline_stage is original
     megapatch.disable()
     assert tgc.broadcast_from_last_pipeline_stage is original
+
+
+# -- the inference patch's pieces, in-process (the rank jobs above show them end to end) ----------
+
+def _logits_dtype(monkeypatch, value):
+    from megapatch.core import options, state
+
+    monkeypatch.setattr(state, "_current", options.Settings(logits_dtype=value))
+
+
+def test_the_pipeline_forward_returns_the_models_fp32_logits_of_every_micro_batch_in_order(monkeypatch):
+    """The wrapper's ``_forward`` hands the model's FP32 logits to the enclosing pipeline forward,
+    which returns them instead of its own rounded copy: micro-batches concatenated in the order the
+    model ran them; a stage that is not the last (no logits, or none from the model) returns
+    upstream's value; a shape that does not match upstream's is refused."""
+    from megapatch.core.errors import UpstreamSurfaceError
+    from megapatch.patches import logits_fp32_inference as patch
+
+    first, second = torch.arange(6.0).view(1, 2, 3), -torch.arange(6.0).view(1, 2, 3) - 1
+    model = lambda logits: patch._forward(lambda: logits, None, (), {})  # noqa: E731
+
+    def pipeline(*micro_batches, rounded=None):
+        def upstream():
+            outputs = [model(m) for m in micro_batches]
+            return rounded if rounded is not None else (torch.cat(outputs).to(torch.bfloat16) if outputs else None)
+        upstream.__name__ = "forward_pass_with_pipeline_parallel"
+        return patch._pipeline_forward(upstream, None, (), {})
+
+    _logits_dtype(monkeypatch, "fp32")
+    assert pipeline(first) is first
+    both = pipeline(first, second)
+    assert both.dtype == torch.float32 and torch.equal(both, torch.cat([first, second]))
+    assert pipeline() is None  # not the last stage
+    bf16 = first.to(torch.bfloat16)
+    assert pipeline(bf16).dtype == torch.bfloat16  # a model without FP32 logits: nothing to hand on
+    with pytest.raises(UpstreamSurfaceError, match=r"forward_pass_with_pipeline_parallel returned logits of "
+                                                   r"shape \(1, 2, 2\), the model produced \(1, 2, 3\)"):
+        pipeline(first, rounded=torch.zeros(1, 2, 2))
+    assert model(first) is first  # outside a pipeline forward nothing is kept
+    _logits_dtype(monkeypatch, "native")
+    assert pipeline(first).dtype == torch.bfloat16
+
+
+def test_the_logits_broadcast_is_asked_for_fp32_with_every_other_argument_passed_on(monkeypatch):
+    """``broadcast_from_last_pipeline_stage(size, dtype, tensor=None, pp_group=...)``: a BF16/FP16
+    request (positional or keyword) becomes FP32 and the sender's tensor FP32; any other dtype,
+    and megapatch's logits native, are upstream's call as made."""
+    from megapatch.patches import logits_fp32_inference as patch
+
+    calls = []
+    upstream = lambda *args, **kwargs: calls.append((args, kwargs)) or "received"  # noqa: E731
+    bf16 = torch.tensor([1.5, 2.25], dtype=torch.bfloat16)
+    fp32 = torch.tensor([1.0, 2.0])
+    _logits_dtype(monkeypatch, "fp32")
+    for low in (torch.bfloat16, torch.float16):
+        assert patch._broadcast(upstream, None, ([1, 2], low, bf16, "group"), {}) == "received"
+        (size, dtype, tensor, *rest), kwargs = calls.pop()
+        assert (size, dtype, rest, kwargs) == ([1, 2], torch.float32, ["group"], {})
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, bf16.float())
+        patch._broadcast(upstream, None, (), {"size": [2], "dtype": low, "pp_group": "group"})
+        assert calls.pop() == (([2], torch.float32, None), {"pp_group": "group"})  # a receiving stage
+        patch._broadcast(upstream, None, ([2], low), {"tensor": fp32})
+        assert calls.pop()[0][2] is fp32  # already FP32: passed as it is
+    for other in (torch.float32, torch.int64, None):
+        patch._broadcast(upstream, None, ([2], other, bf16), {})
+        assert calls.pop() == (([2], other, bf16), {})
+    _logits_dtype(monkeypatch, "native")
+    patch._broadcast(upstream, None, ([2], torch.bfloat16, bf16), {})
+    assert calls.pop() == (([2], torch.bfloat16, bf16), {})
+
+
+def test_the_dynamic_engines_logits_buffers_are_reallocated_in_fp32_only_when_low_precision(monkeypatch):
+    import types
+
+    from megapatch.patches import logits_fp32_inference as patch
+
+    def controller(buffer):
+        return types.SimpleNamespace(_all_logits_cuda=buffer, other=torch.zeros(2, dtype=torch.bfloat16))
+
+    _logits_dtype(monkeypatch, "fp32")
+    for low in (torch.bfloat16, torch.float16):
+        held = controller(torch.ones(3, 5, dtype=low))
+        assert patch._sampling_buffers(lambda: "allocated", held, (), {}) == "allocated"
+        assert held._all_logits_cuda.dtype == torch.float32 and held._all_logits_cuda.shape == (3, 5)
+        assert held.other.dtype == torch.bfloat16  # only the known logits buffers
+    for kept in (torch.ones(3, dtype=torch.float32), None, "not a tensor"):
+        held = controller(kept)
+        patch._sampling_buffers(lambda: None, held, (), {})
+        assert held._all_logits_cuda is kept
+    _logits_dtype(monkeypatch, "native")
+    held = controller(torch.ones(3, dtype=torch.bfloat16))
+    patch._sampling_buffers(lambda: None, held, (), {})
+    assert held._all_logits_cuda.dtype == torch.bfloat16
+
+
+class _Allocates:
+    """Source read by ``_dtype_allocations`` (never instantiated)."""
+
+    def allocate(self, n):
+        self.direct = torch.empty(n, dtype=self.config.params_dtype)
+        dt = self.config.params_dtype
+        alias = dt
+        self.through_alias = torch.zeros(n, dtype=alias)
+        self.fixed = torch.zeros(n, dtype=torch.float32)
+        self.undeclared = torch.zeros(n)
+        self.not_torch = list(dtype=dt)  # noqa: F821 -- parsed, never run
+        other = self
+        other.not_self = torch.zeros(n, dtype=dt)
+
+    def elsewhere(self, n):
+        self.unrelated = torch.zeros(n, dtype=dt)  # noqa: F821 -- dt is another method's name
+
+
+def test_the_buffer_probe_reads_which_attributes_are_allocated_in_the_models_dtype():
+    from megapatch.patches.logits_fp32_inference import _dtype_allocations
+
+    assert _dtype_allocations(_Allocates) == {"direct": "self.config.params_dtype", "through_alias": "alias"}
+
+
+def test_the_probe_says_what_it_cannot_read_or_does_not_know(monkeypatch):
+    from megapatch.patches import logits_fp32_inference as patch
+
+    assert patch._probe() is None
+    monkeypatch.setattr(patch, "_dtype_allocations", lambda cls: {"_all_logits_cuda": "dt", "_draft": "dt"})
+    assert patch._probe() == (f"{patch.CONTROLLER}.TextGenerationController allocates self._draft (dtype=dt) in "
+                              f"the model's dtype, a buffer megapatch does not know: its logits would stay in BF16/FP16")
+
+    def unreadable(cls):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(patch, "_dtype_allocations", unreadable)
+    assert patch._probe().endswith("to check its logits buffers (OSError: could not get source code)")
+    from megatron.core.inference.model_inference_wrappers import abstract_model_inference_wrapper as amiw
+
+    for name in patch.PP_METHODS:
+        monkeypatch.delattr(amiw.AbstractModelInferenceWrapper, name, raising=False)
+    assert patch._probe().endswith("the pipeline-parallel inference path changed")

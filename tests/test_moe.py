@@ -221,3 +221,151 @@ def test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_nam
             assert named in str(refused.value), str(refused.value)
     finally:
         megapatch.disable()
+
+
+# -- the MoE patch's pieces, in-process (the rank jobs above show them end to end) ----------------
+
+def _settings(monkeypatch, mode):
+    from megapatch.core import options, state
+
+    monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype=mode))
+
+
+def test_the_probabilities_are_swapped_for_fp32_only_around_an_fp32_sum_of_low_precision_probabilities(monkeypatch):
+    """The dispatcher casts the expert outputs to ``probs.dtype`` before summing: for the call, and
+    only under fp32 with FP32 expert outputs and BF16/FP16 probabilities, ``probs`` is an FP32 copy
+    (FP32 probabilities -- ``moe_router_dtype='fp32'`` -- or none need nothing); the dispatcher gets
+    its own tensor back afterwards, also when the call raises."""
+    import types
+
+    from megapatch.patches.tp_reduce_moe import _probs_as_fp32
+
+    probs = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
+    fp32_out, bf16_out = torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)
+    for mode, hidden, held, swapped in (("fp32", fp32_out, probs, True), ("fp32", bf16_out, probs, False),
+                                        ("fp32", fp32_out, probs.half(), True), ("fp32", fp32_out, probs.float(), False),
+                                        ("fp32-accumulate", fp32_out, probs, False), ("native", fp32_out, probs, False)):
+        _settings(monkeypatch, mode)
+        dispatcher = types.SimpleNamespace(probs=held)
+        with _probs_as_fp32(dispatcher, "probs", hidden):
+            during = dispatcher.probs
+        assert dispatcher.probs is held, (mode, hidden.dtype, held.dtype)
+        if swapped:
+            assert during.dtype == torch.float32 and torch.equal(during, held.float()), (mode, held.dtype)
+        else:
+            assert during is held, (mode, hidden.dtype, held.dtype)
+    _settings(monkeypatch, "fp32")
+    with _probs_as_fp32(types.SimpleNamespace(), "probs", fp32_out):  # not set yet: nothing to swap
+        pass
+    dispatcher = types.SimpleNamespace(local_probs=probs)
+    with pytest.raises(RuntimeError, match="in the combine"):
+        with _probs_as_fp32(dispatcher, "local_probs", fp32_out):
+            assert dispatcher.local_probs.dtype == torch.float32
+            raise RuntimeError("in the combine")
+    assert dispatcher.local_probs is probs
+
+
+def test_the_moe_layer_rounds_its_fp32_sum_once_to_its_input_dtype_and_refuses_a_rounded_one(monkeypatch):
+    import types
+
+    from megapatch.core.errors import UpstreamSurfaceError
+    from megapatch.patches import tp_reduce_moe
+
+    marked = []
+    monkeypatch.setattr(tp_reduce_moe, "_mark", marked.append)
+    layer = types.SimpleNamespace()
+    sums = torch.tensor([1.0 + 2 ** -12, 3.0])  # not a BF16 value: rounded once at the layer
+    fp32_experts = lambda hidden_states: (sums, "bias")  # noqa: E731
+    for dtype in (torch.bfloat16, torch.float16):
+        _settings(monkeypatch, "fp32")
+        hidden = torch.zeros(2, dtype=dtype)
+        out, bias = tp_reduce_moe._moe_forward(fp32_experts, layer, (hidden,), {})
+        assert out.dtype == dtype and torch.equal(out, sums.to(dtype)) and bias == "bias" and marked.pop() is layer
+        out, _ = tp_reduce_moe._moe_forward(fp32_experts, layer, (), {"hidden_states": hidden})
+        assert out.dtype == dtype and marked.pop() is layer
+        with pytest.raises(UpstreamSurfaceError, match=f"the MoE layer's experts produced {dtype}, not their FP32 sum"):
+            tp_reduce_moe._moe_forward(lambda hidden_states: (hidden_states, None), layer, (hidden,), {})
+        assert marked.pop() is layer
+        for mode in ("native", "fp32-accumulate"):  # not this patch's mode: upstream's forward as it is
+            _settings(monkeypatch, mode)
+            assert tp_reduce_moe._moe_forward(fp32_experts, layer, (hidden,), {})[0] is sums
+    _settings(monkeypatch, "fp32")
+    assert tp_reduce_moe._moe_forward(fp32_experts, layer, (torch.zeros(2),), {})[0] is sums  # an FP32 model
+    assert marked == []
+
+
+def test_construction_refuses_before_upstream_builds_and_marks_after_and_only_under_fp32(monkeypatch):
+    import types
+
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_reduce_moe
+
+    built, marked = [], []
+    monkeypatch.setattr(tp_reduce_moe, "_mark", marked.append)
+    flex = types.SimpleNamespace(moe_token_dispatcher_type="flex", moe_grouped_gemm=False)
+    alltoall = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    layer = types.SimpleNamespace()
+    construct = lambda config, **kwargs: built.append(config) or "built"  # noqa: E731
+    _settings(monkeypatch, "fp32")
+    with pytest.raises(UnsupportedConfigurationError, match="moe_token_dispatcher_type='flex'"):
+        tp_reduce_moe._moe_init(construct, layer, (flex,), {})
+    with pytest.raises(UnsupportedConfigurationError, match="moe_token_dispatcher_type='flex'"):
+        tp_reduce_moe._moe_init(construct, layer, (), {"config": flex})
+    assert built == [] and marked == []  # refused before upstream built anything (DeepEP)
+    assert tp_reduce_moe._moe_init(construct, layer, (alltoall,), {}) == "built"
+    assert built == [alltoall] and marked == [layer]
+    for mode in ("native", "fp32-accumulate"):
+        _settings(monkeypatch, mode)
+        assert tp_reduce_moe._moe_init(construct, layer, (flex,), {}) == "built"
+    assert built == [alltoall, flex, flex] and marked == [layer]
+
+
+def test_the_preflight_names_each_moe_path_fp32_does_not_reach_and_nothing_for_a_dense_model():
+    import types
+
+    from megapatch.patches.tp_reduce_moe import _preflight
+
+    def config(**fields):
+        return types.SimpleNamespace(**{"num_moe_experts": 8, "moe_token_dispatcher_type": "alltoall",
+                                        "moe_grouped_gemm": False, **fields})
+
+    assert _preflight(config(num_moe_experts=None)) is None
+    assert _preflight(config(num_moe_experts=None, moe_token_dispatcher_type="flex")) is None  # dense
+    assert _preflight(config()) is None and _preflight(config(moe_token_dispatcher_type="allgather")) is None
+    both = _preflight(config(moe_token_dispatcher_type="flex", moe_grouped_gemm=True))
+    assert both.startswith("moe_token_dispatcher_type='flex' (Megatron-LM: --moe-token-dispatcher-type flex; "
+                           "covered: allgather, alltoall)"), both
+    assert "; moe_grouped_gemm=True (Megatron-LM: --moe-grouped-gemm; leave it off)" in both, both
+
+
+def test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else():
+    import types
+
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from megapatch.patches._common import MOE_FP32_SUM
+    from megapatch.patches.tp_reduce_moe import _mark
+
+    def row_parallel():
+        module = object.__new__(RowParallelLinear)  # the type is what is checked; no process group
+        torch.nn.Module.__init__(module)
+        return module
+
+    def mlp():
+        module = torch.nn.Module()
+        module.linear_fc1, module.linear_fc2 = row_parallel(), row_parallel()
+        return module
+
+    experts = torch.nn.Module()
+    experts.local_experts = torch.nn.ModuleList([mlp(), mlp(), mlp()])
+    shared = mlp()
+    config = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    _mark(types.SimpleNamespace(config=config, experts=experts, shared_experts=shared))
+    for owner in (*experts.local_experts, shared):
+        assert getattr(owner.linear_fc2, MOE_FP32_SUM, False) is True
+        assert not hasattr(owner.linear_fc1, MOE_FP32_SUM)
+    routed_only = mlp()
+    holder = torch.nn.Module()
+    holder.local_experts = torch.nn.ModuleList([routed_only])
+    _mark(types.SimpleNamespace(config=config, experts=holder))  # no shared experts at all
+    assert getattr(routed_only.linear_fc2, MOE_FP32_SUM) is True

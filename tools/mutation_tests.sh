@@ -124,6 +124,11 @@ case $module in
     "$T/test_doctor.py::test_transformer_engine_missing_is_said_first_before_any_megapatch_reason"
     "$T/test_cross_rank.py") ;;
   patches/logits_fp32_inference.py) tests=(
+    "$T/test_logits_fp32_inference.py::test_the_pipeline_forward_returns_the_models_fp32_logits_of_every_micro_batch_in_order"
+    "$T/test_logits_fp32_inference.py::test_the_logits_broadcast_is_asked_for_fp32_with_every_other_argument_passed_on"
+    "$T/test_logits_fp32_inference.py::test_the_dynamic_engines_logits_buffers_are_reallocated_in_fp32_only_when_low_precision"
+    "$T/test_logits_fp32_inference.py::test_the_buffer_probe_reads_which_attributes_are_allocated_in_the_models_dtype"
+    "$T/test_logits_fp32_inference.py::test_the_probe_says_what_it_cannot_read_or_does_not_know"
     "$T/test_logits_fp32_dynamic_inference.py::test_a_logits_buffer_allocated_in_params_dtype_becomes_fp32"
     "$T/test_logits_fp32_dynamic_inference.py::test_an_unknown_logits_buffer_is_refused_at_enable"
     "$T/test_logits_fp32_inference.py"
@@ -131,6 +136,13 @@ case $module in
     "$T/test_logits_fp32_dynamic_inference.py::test_mtp_draft_logits_are_fp32"
     "$T/test_logits_fp32_dynamic_inference.py::test_upstreams_dynamic_inference_example_runs_on_cpu_ranks_with_fp32_logits") ;;
   patches/fp8_align_transposes.py) tests=(
+    "$T/test_fp8_align_transposes.py::test_each_reason_to_pass_through_is_found_on_any_chunk_and_named"
+    "$T/test_fp8_align_transposes.py::test_a_te_before_2_10_is_named_where_megatron_dispatches_its_processing_to_nothing"
+    "$T/test_fp8_align_transposes.py::test_a_chunks_ddp_is_found_through_up_to_four_module_wrappers"
+    "$T/test_fp8_align_transposes.py::test_the_pipeline_rank_is_read_from_the_communicator_then_the_process_groups_then_megatrons_state"
+    "$T/test_fp8_align_transposes.py::test_quantized_parameters_are_recognised_by_each_releases_own_test_and_counted_once_per_dispatch"
+    "$T/test_fp8_align_transposes.py::test_the_backend_says_the_last_decision"
+    "$T/test_fp8_align_transposes.py::test_the_probe_names_each_piece_of_the_bucket_group_it_relies_on"
     "$T/test_fp8_align_transposes.py::test_chunk_order_helper_matches_upstream_schedule_table_for_uneven_groups"
     "$T/test_fp8_align_transposes.py::test_a_model_with_any_per_tensor_fp8_parameter_is_aligned"
     "$T/test_fp8_align_transposes.py::test_only_a_model_whose_quantized_parameters_are_all_mxfp8_passes_through"
@@ -183,6 +195,11 @@ case $module in
     "$T/test_integrations_nemo_run.py::test_invalid_value_fails_when_the_plugin_is_built"
     "$T/test_startup_hook.py") ;;
   patches/tp_reduce_moe.py) tests=(
+    "$T/test_moe.py::test_the_probabilities_are_swapped_for_fp32_only_around_an_fp32_sum_of_low_precision_probabilities"
+    "$T/test_moe.py::test_the_moe_layer_rounds_its_fp32_sum_once_to_its_input_dtype_and_refuses_a_rounded_one"
+    "$T/test_moe.py::test_construction_refuses_before_upstream_builds_and_marks_after_and_only_under_fp32"
+    "$T/test_moe.py::test_the_preflight_names_each_moe_path_fp32_does_not_reach_and_nothing_for_a_dense_model"
+    "$T/test_moe.py::test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else"
     "$T/test_moe.py::test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute"
     "$T/test_moe.py::test_status_names_the_moe_paths_covered_and_refused"
     "$T/test_moe.py::test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it"
@@ -210,6 +227,10 @@ case $module in
     "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch"
     "$T/test_cross_rank.py::test_a_native_or_switched_off_rank_is_named_at_once_in_the_megatron_lm_order") ;;
   megapatch/core/wrappers.py) tests=(
+    "$T/test_hardening_engine.py::test_aliases_are_found_in_every_module_but_the_skipped_packages_and_put_back_everywhere"
+    "$T/test_hardening_engine.py::test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute"
+    "$T/test_hardening_engine.py::test_a_proxy_whose_wrapped_attribute_raises_ends_the_search_and_unreachable_functions_do_not_pickle"
+    "$T/test_cross_rank.py::test_a_wrapper_called_before_any_configuration_runs_no_settings_check"
     "$T/test_hardening_engine.py::test_wrapped_functions_pickle_and_copy_like_stock"
     "$T/test_hardening_engine.py::test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable"
     "$T/test_hardening_engine.py::test_torch_collective_alias_taken_while_enabled_is_restored_by_disable"
