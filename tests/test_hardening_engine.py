@@ -587,3 +587,43 @@ def test_a_proxy_whose_wrapped_attribute_raises_ends_the_search_and_unreachable_
             wrappers._by_reference(unreachable)
     getter, (module,) = wrappers._by_reference(pickle.dumps)
     assert getter(pickle.loads(pickle.dumps(module))) is pickle.dumps
+
+
+def test_a_wrapped_method_bound_to_an_instance_copies_and_pickles_like_a_bound_method():
+    """``copy`` keeps the bound method; ``deepcopy`` binds to a copy of the instance (as a bound
+    method in a deep-copied structure does); pickling rebuilds it from the instance and the name;
+    through the class (no instance) it pickles by reference."""
+    import sys
+
+    from megapatch.core import wrappers
+    from megapatch.core.registry import Target
+
+    def forward(self, x):
+        return x * self.scale
+
+    Layer = type("Layer", (), {"__module__": "mp_stand_in_bound", "scale": 2, "forward": forward})
+    Layer.__qualname__ = forward.__qualname__ = "Layer"
+    forward.__qualname__, forward.__module__ = "Layer.forward", "mp_stand_in_bound"
+    sys.modules["mp_stand_in_bound"] = _module("mp_stand_in_bound", Layer=Layer)
+    try:
+        installed = wrappers.install(Target("mp_stand_in_bound", "Layer.forward",
+                                            lambda w, i, a, k: w(*a, **k) + 1, kind="method"), "test.patch")
+        layer = Layer()
+        layer.scale = 3
+        bound = layer.forward
+        assert type(bound) is wrappers.MegapatchBoundWrapper and bound(5) == 16
+        assert copy.copy(bound) is bound
+        deep = copy.deepcopy(bound)
+        assert deep.__self__ is not layer and isinstance(deep.__self__, Layer) and deep.__self__.scale == 3
+        assert deep(5) == 16 and wrappers.is_megapatch_wrapper(deep)
+        memo_shared = copy.deepcopy({"layer": layer, "fn": bound})
+        assert memo_shared["fn"].__self__ is memo_shared["layer"]  # one copy of the instance
+        loaded = pickle.loads(pickle.dumps(bound))
+        assert loaded.__self__ is not layer and loaded.__self__.scale == 3 and loaded(5) == 16
+        through_class = Layer.forward
+        assert copy.deepcopy(through_class) is through_class
+        by_reference = pickle.loads(pickle.dumps(through_class))  # whatever the name holds now: the wrapper
+        assert wrappers.is_megapatch_wrapper(by_reference) and by_reference.__wrapped__ is forward
+        wrappers.uninstall(installed)
+    finally:
+        del sys.modules["mp_stand_in_bound"]

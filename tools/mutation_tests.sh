@@ -230,6 +230,7 @@ case $module in
     "$T/test_hardening_engine.py::test_aliases_are_found_in_every_module_but_the_skipped_packages_and_put_back_everywhere"
     "$T/test_hardening_engine.py::test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute"
     "$T/test_hardening_engine.py::test_a_proxy_whose_wrapped_attribute_raises_ends_the_search_and_unreachable_functions_do_not_pickle"
+    "$T/test_hardening_engine.py::test_a_wrapped_method_bound_to_an_instance_copies_and_pickles_like_a_bound_method"
     "$T/test_cross_rank.py::test_a_wrapper_called_before_any_configuration_runs_no_settings_check"
     "$T/test_hardening_engine.py::test_wrapped_functions_pickle_and_copy_like_stock"
     "$T/test_hardening_engine.py::test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable"
