@@ -723,3 +723,13 @@ def test_the_probe_names_each_piece_of_the_bucket_group_it_relies_on(monkeypatch
     with monkeypatch.context() as m:
         m.delattr(real_pgb, "_ParamAndGradBucketGroup")
         assert pm._probe().endswith("._ParamAndGradBucketGroup does not exist")
+
+
+def test_a_forward_step_beyond_the_schedule_table_stops_aligning_instead_of_failing(monkeypatch):
+    """A schedule that runs more forward steps than its table has (a changed upstream schedule): the
+    extra step runs as upstream's, the call is reported as not aligned, nothing raises."""
+    decision, config, caller_list, _model, log = _run_stand_in_schedule(
+        monkeypatch, [0, 0, 1, 1, 0], [dict(align_param_gather=True)] * 2)  # a table of 4 steps, 5 run
+    assert [e for e in log if e[0] == "forward"] == [("forward", c) for c in (0, 0, 1, 1, 0)]
+    assert decision["aligned"] is False and "out of virtual-microbatch order" in decision["reason"], decision
+    assert config.param_sync_func is caller_list
