@@ -555,17 +555,19 @@ def test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute():
         pass
 
     module = _module("mp_stand_in_inherit", Child=Child)
-    sys.modules["mp_stand_in_inherit"] = module
+    holder = _module("mp_stand_in_holder", function=Base.forward)  # the same function, held elsewhere
+    sys.modules["mp_stand_in_inherit"], sys.modules["mp_stand_in_holder"] = module, holder
     try:
         installed = wrappers.install(Target("mp_stand_in_inherit", "Child.forward",
                                             lambda w, i, a, k: "wrapped " + w(*a, **k), kind="method"), "test.patch")
         assert "forward" in Child.__dict__ and Child().forward() == "wrapped base"
+        assert holder.function is Base.__dict__["forward"] and installed.aliases == []  # a method: no alias scan
         wrappers.uninstall(installed)
         assert "forward" not in Child.__dict__ and Child().forward() == "base"
         Base.forward = lambda self: "changed base"
         assert Child().forward() == "changed base"  # inherits again
     finally:
-        del sys.modules["mp_stand_in_inherit"]
+        del sys.modules["mp_stand_in_inherit"], sys.modules["mp_stand_in_holder"]
     assert isinstance(module, types.ModuleType)
 
 

@@ -345,11 +345,12 @@ def test_the_probe_says_what_it_cannot_read_or_does_not_know(monkeypatch):
     assert patch._probe() == (f"{patch.CONTROLLER}.TextGenerationController allocates self._draft (dtype=dt) in "
                               f"the model's dtype, a buffer megapatch does not know: its logits would stay in BF16/FP16")
 
-    def unreadable(cls):
-        raise OSError("could not get source code")
+    for error in (OSError, TypeError, SyntaxError):  # no source file; a built-in; source it cannot parse
+        def unreadable(cls, error=error):
+            raise error("cannot read it")
 
-    monkeypatch.setattr(patch, "_dtype_allocations", unreadable)
-    assert patch._probe().endswith("to check its logits buffers (OSError: could not get source code)")
+        monkeypatch.setattr(patch, "_dtype_allocations", unreadable)
+        assert patch._probe().endswith(f"to check its logits buffers ({error.__name__}: cannot read it)")
     from megatron.core.inference.model_inference_wrappers import abstract_model_inference_wrapper as amiw
 
     for name in patch.PP_METHODS:

@@ -369,3 +369,17 @@ def test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else(
     holder.local_experts = torch.nn.ModuleList([routed_only])
     _mark(types.SimpleNamespace(config=config, experts=holder))  # no shared experts at all
     assert getattr(routed_only.linear_fc2, MOE_FP32_SUM) is True
+
+
+@pytest.mark.parametrize("mode,active", [("fp32", True), ("fp32-accumulate", False), ("native", False)])
+def test_the_moe_patch_is_installed_for_fp32_only(mode, active):
+    """fp32-accumulate keeps its documented meaning in MoE layers (partials on the wire in their own
+    dtype): this patch is not part of it."""
+    import megapatch
+
+    _needs_fp32_reductions()
+    try:
+        status = megapatch.enable(tp_reduce_dtype=mode)
+        assert ("tp_reduce.moe" in status.active) is active, status.active
+    finally:
+        megapatch.disable()

@@ -201,6 +201,7 @@ case $module in
     "$T/test_moe.py::test_construction_refuses_before_upstream_builds_and_marks_after_and_only_under_fp32"
     "$T/test_moe.py::test_the_preflight_names_each_moe_path_fp32_does_not_reach_and_nothing_for_a_dense_model"
     "$T/test_moe.py::test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else"
+    "$T/test_moe.py::test_the_moe_patch_is_installed_for_fp32_only"
     "$T/test_moe.py::test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute"
     "$T/test_moe.py::test_status_names_the_moe_paths_covered_and_refused"
     "$T/test_moe.py::test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it"
