@@ -733,3 +733,23 @@ def test_a_forward_step_beyond_the_schedule_table_stops_aligning_instead_of_fail
     assert [e for e in log if e[0] == "forward"] == [("forward", c) for c in (0, 0, 1, 1, 0)]
     assert decision["aligned"] is False and "out of virtual-microbatch order" in decision["reason"], decision
     assert config.param_sync_func is caller_list
+
+
+# -- issue 28 item 8: survivors of the seventh fresh mutation sample (seed 34) ---------------------
+
+def test_before_any_schedule_call_the_decision_says_nothing_was_aligned():
+    """``last_decision`` (documented as what status shows) in a fresh process: not aligned, no call
+    seen, 0 chunks aligned."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, environ_without_megapatch
+
+    code = ("from megapatch.patches import fp8_align_transposes as pm\n"
+            "print(pm.last_decision)\nprint(pm._backend())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=environ_without_megapatch())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "{'aligned': False, 'reason': 'no interleaved schedule call seen yet', 'chunks': 0}",
+        "passing through: no interleaved schedule call seen yet"], done.stdout

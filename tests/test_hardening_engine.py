@@ -629,3 +629,25 @@ def test_a_wrapped_method_bound_to_an_instance_copies_and_pickles_like_a_bound_m
         wrappers.uninstall(installed)
     finally:
         del sys.modules["mp_stand_in_bound"]
+
+
+def test_an_alias_in_a_module_no_longer_in_sys_modules_is_put_back_from_the_install_record(monkeypatch):
+    """Install records each alias it bound; uninstall puts those back even where the module has
+    left ``sys.modules`` since (a reload, a test harness): the scan of ``sys.modules`` alone would
+    leave the wrapper there."""
+    import sys
+
+    from megapatch.core import wrappers
+    from megapatch.core.registry import Target
+
+    def original():
+        return "original"
+
+    owner, client = _module("mp_stand_in_owner", fn=original), _module("mp_stand_in_gone", fn=original)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_owner", owner)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_gone", client)
+    installed = wrappers.install(Target("mp_stand_in_owner", "fn", lambda w, i, a, k: "wrapped"), "test.patch")
+    assert client.fn() == "wrapped" and installed.aliases == [(client, "fn")]
+    del sys.modules["mp_stand_in_gone"]
+    wrappers.uninstall(installed)
+    assert owner.fn is original and client.fn is original

@@ -324,6 +324,8 @@ class _Allocates:
         self.fixed = torch.zeros(n, dtype=torch.float32)
         self.undeclared = torch.zeros(n)
         self.not_torch = list(dtype=dt)  # noqa: F821 -- parsed, never run
+        self.numpy_buffer = np.zeros(n, dtype=dt)  # noqa: F821 -- a module sorting before "torch"
+        self.xla_buffer = xm.zeros(n, dtype=dt)  # noqa: F821 -- and one after it
         other = self
         other.not_self = torch.zeros(n, dtype=dt)
 

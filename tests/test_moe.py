@@ -383,3 +383,25 @@ def test_the_moe_patch_is_installed_for_fp32_only(mode, active):
         assert ("tp_reduce.moe" in status.active) is active, status.active
     finally:
         megapatch.disable()
+
+
+# -- issue 28 item 8: survivors of the seventh fresh mutation sample (seed 34) ---------------------
+
+@pytest.mark.parametrize("wrapper,attribute", [("_allgather_token_combine", "local_probs"),
+                                               ("_alltoall_combine_preprocess", "probs")])
+def test_the_dispatcher_wrappers_read_the_expert_outputs_by_position_or_keyword(monkeypatch, wrapper, attribute):
+    """``token_combine(self, hidden_states)`` / ``combine_preprocess(self, hidden_states)``: the one
+    argument may come by keyword; the FP32 swap follows it either way."""
+    import types
+
+    from megapatch.patches import tp_reduce_moe
+
+    _settings(monkeypatch, "fp32")
+    probs = torch.tensor([0.25, 0.75], dtype=torch.bfloat16)
+    dispatcher = types.SimpleNamespace(**{attribute: probs})
+    seen = []
+    upstream = lambda *a, **k: seen.append(getattr(dispatcher, attribute).dtype) or "combined"  # noqa: E731
+    fp32_out = torch.zeros(2)
+    for args, kwargs in (((fp32_out,), {}), ((), {"hidden_states": fp32_out})):
+        assert getattr(tp_reduce_moe, wrapper)(upstream, dispatcher, args, kwargs) == "combined"
+        assert seen.pop() == torch.float32 and getattr(dispatcher, attribute) is probs

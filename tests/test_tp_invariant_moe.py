@@ -276,3 +276,29 @@ def test_the_first_grad_norm_equals_an_fp64_norm_of_the_gathered_gradients(runs,
     here = runs[(variant, tp, ep)]
     oracle = math.sqrt(sum(float((g.double() ** 2).sum()) for g in here["grads"].values()))
     assert math.isclose(here["norms"][0], oracle, rel_tol=1e-5), (here["norms"][0], oracle)
+
+
+# -- issue 28 item 8: the fifth sample's tp_invariant.py:508, argued equivalent there wrongly -------
+
+def test_the_alltoall_combine_restores_the_row_order_whether_hidden_states_come_by_position_or_keyword(monkeypatch):
+    """``combine_preprocess(self, hidden_states)`` accepts its one argument by keyword too: the
+    wrapper reads it there (an index of -1 would have raised IndexError on the empty positional
+    arguments)."""
+    import types
+
+    from megapatch.numerics import block_tree
+    from megapatch.patches import tp_invariant
+
+    monkeypatch.setattr(block_tree, "active", lambda: True)
+    rows = torch.arange(6.0).view(3, 2)
+    restore = torch.tensor([2, 0, 1])
+    received = []
+    upstream = lambda *args, **kwargs: received.append((args, kwargs)) or "combined"  # noqa: E731
+    dispatcher = types.SimpleNamespace(ep_size=2, **{tp_invariant._RESTORE: restore})
+    for args, kwargs in (((rows,), {}), ((), {"hidden_states": rows})):
+        assert tp_invariant._alltoall_combine_preprocess(upstream, dispatcher, args, kwargs) == "combined"
+        (got,), extra = received.pop()
+        assert extra == {} and torch.equal(got, rows.index_select(0, restore))
+    alone = types.SimpleNamespace(ep_size=1)  # one EP rank: no reordering, upstream's call as made
+    tp_invariant._alltoall_combine_preprocess(upstream, alone, (), {"hidden_states": rows})
+    assert received.pop() == ((), {"hidden_states": rows})

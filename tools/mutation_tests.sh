@@ -14,6 +14,7 @@ slow=()
 MLM="$T/test_megatron_lm.py::test_tp_invariant"
 # the in-process MoE and QK-norm tests, then the planted-oracle file, then every MoE layout
 MOE_AND_QK_NORM=(
+    "$T/test_tp_invariant_moe.py::test_the_alltoall_combine_restores_the_row_order_whether_hidden_states_come_by_position_or_keyword"
     "$T/test_tp_invariant_moe.py::test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_size"
     "$T/test_tp_invariant_moe.py::test_expert_gemms_run_per_source_data_parallel_rank_and_their_wgrad_adds_the_sources_in_rank_order"
     "$T/test_tp_invariant_moe.py::test_expert_squares_are_added_in_layer_expert_parameter_order"
@@ -144,6 +145,7 @@ case $module in
     "$T/test_fp8_align_transposes.py::test_the_backend_says_the_last_decision"
     "$T/test_fp8_align_transposes.py::test_the_probe_names_each_piece_of_the_bucket_group_it_relies_on"
     "$T/test_fp8_align_transposes.py::test_a_forward_step_beyond_the_schedule_table_stops_aligning_instead_of_failing"
+    "$T/test_fp8_align_transposes.py::test_before_any_schedule_call_the_decision_says_nothing_was_aligned"
     "$T/test_fp8_align_transposes.py::test_chunk_order_helper_matches_upstream_schedule_table_for_uneven_groups"
     "$T/test_fp8_align_transposes.py::test_a_model_with_any_per_tensor_fp8_parameter_is_aligned"
     "$T/test_fp8_align_transposes.py::test_only_a_model_whose_quantized_parameters_are_all_mxfp8_passes_through"
@@ -202,6 +204,7 @@ case $module in
     "$T/test_moe.py::test_the_preflight_names_each_moe_path_fp32_does_not_reach_and_nothing_for_a_dense_model"
     "$T/test_moe.py::test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else"
     "$T/test_moe.py::test_the_moe_patch_is_installed_for_fp32_only"
+    "$T/test_moe.py::test_the_dispatcher_wrappers_read_the_expert_outputs_by_position_or_keyword"
     "$T/test_moe.py::test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute"
     "$T/test_moe.py::test_status_names_the_moe_paths_covered_and_refused"
     "$T/test_moe.py::test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it"
@@ -233,6 +236,7 @@ case $module in
     "$T/test_hardening_engine.py::test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute"
     "$T/test_hardening_engine.py::test_a_proxy_whose_wrapped_attribute_raises_ends_the_search_and_unreachable_functions_do_not_pickle"
     "$T/test_hardening_engine.py::test_a_wrapped_method_bound_to_an_instance_copies_and_pickles_like_a_bound_method"
+    "$T/test_hardening_engine.py::test_an_alias_in_a_module_no_longer_in_sys_modules_is_put_back_from_the_install_record"
     "$T/test_cross_rank.py::test_a_wrapper_called_before_any_configuration_runs_no_settings_check"
     "$T/test_hardening_engine.py::test_wrapped_functions_pickle_and_copy_like_stock"
     "$T/test_hardening_engine.py::test_third_party_wrapper_on_top_of_ours_survives_disable_and_enable"
