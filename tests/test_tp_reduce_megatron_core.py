@@ -562,20 +562,26 @@ def test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tens
         assert checked == []
 
 
-def test_only_a_sum_is_taken_by_the_patched_collectives(monkeypatch):
-    """``dist_reduce_scatter_func`` and the dgrad ``all_reduce`` with another op (MAX, ...) go to
-    upstream's own collective untouched; a sum in FP32 mode does not."""
+def _collectives_taken(monkeypatch, mode):
+    """The patch module, the calls it hands to megapatch's FP32 collectives (recorded, not run),
+    a stand-in for upstream's collective, and BF16 output/input tensors with a group of two."""
     from megapatch.core import cross_rank, options, state
     from megapatch.numerics import fp32_collectives
     from megapatch.patches import tp_reduce_megatron_core as patch
 
     monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: None)
-    monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype="fp32"))
+    monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype=mode))
     taken = []
     monkeypatch.setattr(fp32_collectives, "reduce_scatter_", lambda *a, **k: taken.append(("rs", a, k)))
     monkeypatch.setattr(fp32_collectives, "all_reduce_", lambda *a, **k: taken.append(("ar", a, k)))
     upstream = lambda *a, **k: ("upstream", a, k)  # noqa: E731
-    out, x, group = torch.empty(1, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), _Group(2)
+    return patch, taken, upstream, torch.empty(1, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), _Group(2)
+
+
+def test_only_a_sum_is_taken_by_the_patched_collectives(monkeypatch):
+    """``dist_reduce_scatter_func`` and the dgrad ``all_reduce`` with another op (MAX, ...) go to
+    upstream's own collective untouched; a sum in FP32 mode does not."""
+    patch, taken, upstream, out, x, group = _collectives_taken(monkeypatch, "fp32")
     MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
     assert patch._layers_reduce_scatter(upstream, None, (out, x, MAX, group), {})[0] == "upstream"
     assert patch._layers_reduce_scatter(upstream, None, (out, x), {"op": MAX, "group": group})[0] == "upstream"
@@ -607,17 +613,7 @@ def test_the_patched_collectives_read_torchs_signatures_by_position_by_keyword_a
     input, op, group, async_op)``: megatron-core passes group and async_op by keyword, but a caller may
     pass them by position; not passing async_op means a synchronous call (None returned, the result in
     place), never a handle nobody waits on."""
-    from megapatch.core import cross_rank, options, state
-    from megapatch.numerics import fp32_collectives
-    from megapatch.patches import tp_reduce_megatron_core as patch
-
-    monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: None)
-    monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype="fp32-accumulate"))
-    taken = []
-    monkeypatch.setattr(fp32_collectives, "reduce_scatter_", lambda *a, **k: taken.append(("rs", a, k)))
-    monkeypatch.setattr(fp32_collectives, "all_reduce_", lambda *a, **k: taken.append(("ar", a, k)))
-    upstream = lambda *a, **k: ("upstream", a, k)  # noqa: E731
-    out, x, group = torch.empty(1, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), _Group(2)
+    patch, taken, upstream, out, x, group = _collectives_taken(monkeypatch, "fp32-accumulate")
     SUM = torch.distributed.ReduceOp.SUM
     with patch.scoped(patch._in_linear_backward, True):
         patch._dgrad_all_reduce(upstream, None, (x, SUM, group, True), {})
