@@ -651,3 +651,104 @@ def test_an_alias_in_a_module_no_longer_in_sys_modules_is_put_back_from_the_inst
     del sys.modules["mp_stand_in_gone"]
     wrappers.uninstall(installed)
     assert owner.fn is original and client.fn is original
+
+
+# -- the engine's per-patch steps on a stand-in patch (in-process) ---------------------------------
+
+@pytest.fixture
+def engine_records(monkeypatch):
+    """Fresh per-patch records, so that a stand-in patch leaves the real ones untouched."""
+    from megapatch.core import engine as core_engine
+
+    for name in ("_installed", "_skipped", "_failed"):
+        monkeypatch.setattr(core_engine, name, {})
+    return core_engine
+
+
+def _stand_in_patch(module_name, attrs, **fields):
+    from megapatch.core.registry import Patch, Target
+
+    return Patch(name="stand.in", option="logits_dtype", summary="a stand-in", hook=module_name,
+                 targets=tuple(Target(module_name, a, lambda w, i, a_, k: w(*a_, **k)) for a in attrs),
+                 applies=lambda s: s.logits_dtype == "fp32", **fields)
+
+
+def test_a_wrapper_that_cannot_be_installed_takes_the_patchs_earlier_targets_out_again(engine_records, monkeypatch):
+    import sys
+
+    from megapatch.core import wrappers
+    from megapatch.core.errors import UpstreamSurfaceError
+
+    def first():
+        return 1
+
+    def second():
+        return 2
+
+    taken = wrappers.MegapatchWrapper(second, lambda w, i, a, k: w(*a, **k), "other.patch")
+    module = _module("mp_stand_in_engine", first=first, second=taken)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_engine", module)
+    patch = _stand_in_patch("mp_stand_in_engine", ("first", "second"))
+    reason = ("installing the wrapper on mp_stand_in_engine.second failed: RuntimeError: mp_stand_in_engine.second "
+              "is already wrapped by megapatch patch 'other.patch'")
+    engine_records._install(patch, strict=False)
+    assert module.first is first and "stand.in" not in engine_records._installed
+    assert engine_records._skipped == {"stand.in": reason}
+    with pytest.raises(UpstreamSurfaceError, match="cannot apply: " + reason.replace("(", r"\(").replace(")", r"\)")):
+        engine_records._install(patch, strict=True)
+    assert module.first is first and module.second is taken
+
+
+def test_a_check_or_probe_that_raises_is_a_reason_not_a_crash_and_the_probe_waits_for_the_surface(engine_records, monkeypatch):
+    import sys
+
+    from megapatch.core import surface
+
+    def fn(x):
+        return x
+
+    monkeypatch.setitem(sys.modules, "mp_stand_in_engine", _module("mp_stand_in_engine", fn=fn))
+    probed = []
+
+    def probe():
+        probed.append(True)
+        raise ValueError("an __init__ that is not a function")
+
+    patch = _stand_in_patch("mp_stand_in_engine", ("fn",), probe=probe)
+    assert engine_records._incompatibilities(patch) == [
+        "the upstream check of stand.in raised ValueError: an __init__ that is not a function"]
+    missing = _stand_in_patch("mp_stand_in_engine", ("gone",), probe=probe)
+    assert engine_records._incompatibilities(missing) == ["mp_stand_in_engine.gone does not exist"]
+    assert len(probed) == 1  # no probe while the surface itself is wrong
+
+    def unreadable(target, import_module=False):
+        raise RuntimeError("a C object without a signature")
+
+    monkeypatch.setattr(surface, "problems", unreadable)
+    assert engine_records._incompatibilities(patch) == [
+        "checking mp_stand_in_engine.fn raised RuntimeError: a C object without a signature"]
+
+
+def test_status_of_a_patch_says_why_it_is_not_active_and_survives_a_backend_that_raises(engine_records, monkeypatch):
+    from megapatch.core import options
+
+    def backend():
+        raise RuntimeError("not yet known")
+
+    patch = _stand_in_patch("mp_stand_in_engine", (), backend=backend)
+    fp32 = options.Settings(logits_dtype="fp32")
+    monkeypatch.setattr(engine_records, "_enabled", False)
+    assert (engine_records._report(patch, fp32).state, engine_records._report(patch, fp32).reason) == (
+        "inactive", "megapatch is disabled")
+    monkeypatch.setattr(engine_records, "_enabled", True)
+    native = engine_records._report(patch, options.NATIVE)
+    assert (native.state, native.reason) == ("inactive", "not requested (logits_dtype is native)")
+    pending = engine_records._report(patch, fp32)
+    assert (pending.state, pending.reason) == ("pending-import", "installs when mp_stand_in_engine is imported")
+    engine_records._skipped["stand.in"] = "a reason"
+    assert (engine_records._report(patch, fp32).state, engine_records._report(patch, fp32).reason) == ("skipped", "a reason")
+    engine_records._failed["stand.in"] = "it raised"
+    assert engine_records._report(patch, fp32).state == "incompatible"
+    engine_records._installed["stand.in"] = []
+    active = engine_records._report(patch, fp32)
+    assert (active.state, active.backend) == ("active", "unknown (RuntimeError: not yet known)")

@@ -85,3 +85,95 @@ def test_status_shows_each_patchs_range():
     for patch in engine.patches():
         assert status.patch(patch.name).supports == upstream_versions.supported_range(patch)
     assert status.as_dict()["patches"][0]["supports"] == upstream_versions.supported_range(engine.patches()[0])
+
+
+# -- the readers behind version_info, on stand-in packages (in-process) ---------------------------
+
+def _package(root, name, files):
+    (root / name).mkdir(parents=True, exist_ok=True)
+    for relative, text in files.items():
+        path = root / name / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (root / name / "__init__.py").write_text("")
+
+
+def test_the_version_file_is_executed_from_where_import_would_find_it_and_only_if_plain(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    _package(first, "mp_ver_plain", {"core/package_info.py": "MAJOR = 9\n__version__ = f'{MAJOR}.1.0'\n"})
+    _package(first, "mp_ver_broken", {"core/package_info.py": "import not_a_module_anywhere\n"})
+    _package(first, "mp_ver_none", {"core/package_info.py": "OTHER = '1.0'\n"})
+    _package(first, "mp_ver_nofile", {})
+    _package(second, "mp_ver_plain", {"core/package_info.py": "__version__ = '0.0.1'\n"})  # shadowed
+    monkeypatch.syspath_prepend(str(second))
+    monkeypatch.syspath_prepend(str(first))
+    read = upstream_versions._version_from_file
+    version, origin = read("mp_ver_plain", "core/package_info.py", "__version__")
+    assert version == "9.1.0" and origin == f"file {first / 'mp_ver_plain' / 'core' / 'package_info.py'}"
+    for top in ("mp_ver_broken", "mp_ver_none", "mp_ver_nofile", "mp_ver_not_installed"):
+        assert read(top, "core/package_info.py", "__version__") is None, top
+    assert "mp_ver_plain" not in sys.modules and "mp_ver_broken" not in sys.modules  # never imported
+
+
+def test_a_namespace_package_is_searched_in_each_of_its_locations(tmp_path, monkeypatch):
+    for where, files in (("a", {}), ("b", {"core/package_info.py": "__version__ = '3.2.1'\n"})):
+        (tmp_path / where / "mp_ver_ns" / "core").mkdir(parents=True)  # no __init__.py: a namespace
+        for relative, text in files.items():
+            (tmp_path / where / "mp_ver_ns" / relative).write_text(text)
+        monkeypatch.syspath_prepend(str(tmp_path / where))
+    version, origin = upstream_versions._version_from_file("mp_ver_ns", "core/package_info.py", "__version__")
+    assert version == "3.2.1" and origin.endswith(str(tmp_path / "b" / "mp_ver_ns" / "core" / "package_info.py"))
+
+
+def test_distribution_metadata_is_tried_name_by_name_and_absent_is_none(monkeypatch):
+    tried = []
+
+    def version(dist):
+        tried.append(dist)
+        if dist != "transformer_engine":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return "2.20.2"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert upstream_versions._version_from_metadata("transformer-engine") == ("2.20.2", "distribution transformer_engine")
+    assert tried == ["transformer-engine", "transformer_engine"]
+    assert upstream_versions._version_from_metadata("wrapt") == (None, None)
+    assert upstream_versions._version_from_metadata("some-package") == (None, None) and tried[-1] == "some-package"
+
+
+def test_a_broken_imported_version_module_falls_through_to_metadata(monkeypatch):
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("half-initialised")
+
+    monkeypatch.setitem(sys.modules, "wrapt", Broken("wrapt"))
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "1.17.0")
+    assert upstream_versions.version_info("wrapt") == ("1.17.0", "distribution wrapt")
+    monkeypatch.setitem(sys.modules, "wrapt", types.SimpleNamespace(__version__=None))  # no version there
+    assert upstream_versions.version_info("wrapt") == ("1.17.0", "distribution wrapt")
+
+
+def test_the_versions_line_names_every_package_and_absent_ones(monkeypatch):
+    found = {"torch": "2.13.0", "megatron-core": "0.16.1", "transformer-engine": None, "wrapt": "1.17.0"}
+    monkeypatch.setattr(upstream_versions, "version_of", found.get)
+    monkeypatch.setattr(upstream_versions.platform, "python_version", lambda: "3.11.7")
+    assert upstream_versions.describe_versions() == (
+        "python 3.11.7, torch 2.13.0, megatron-core 0.16.1, transformer-engine absent, wrapt 1.17.0")
+
+
+def test_an_untested_stack_warns_once_per_version_and_an_absent_or_tested_one_not_at_all(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="megapatch")
+    monkeypatch.setattr(upstream_versions, "_warned", set())
+    versions = {"megatron-bridge": None}
+    monkeypatch.setattr(upstream_versions, "version_of", versions.get)
+    assert upstream_versions.warn_if_untested_stack("megatron-bridge") is False  # absent
+    versions["megatron-bridge"] = "0.6.2"
+    assert upstream_versions.warn_if_untested_stack("megatron-bridge") is False  # tested
+    versions["megatron-bridge"] = "0.7.0"
+    assert upstream_versions.warn_if_untested_stack("megatron-bridge") is True
+    assert upstream_versions.warn_if_untested_stack("megatron-bridge") is False  # once
+    versions["megatron-bridge"] = "0.8.0"
+    assert upstream_versions.warn_if_untested_stack("megatron-bridge") is True  # another version: again
+    said = [r.getMessage() for r in caplog.records if r.name == "megapatch"]
+    assert len(said) == 2 and said[0].startswith("megapatch: megatron-bridge 0.7.0 is outside the versions "
+                                                 "megapatch was run under (>=0.6.2,<0.6.3)"), said

@@ -217,6 +217,9 @@ case $module in
     "$T/test_logits_fp32_inference.py::test_fp32_logits_survive_every_inference_path_of_an_moe_model"
     "$T/test_logits_fp32_dynamic_inference.py::test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs[moe-tp2]") ;;
   megapatch/core/engine.py) tests=(
+    "$T/test_hardening_engine.py::test_a_wrapper_that_cannot_be_installed_takes_the_patchs_earlier_targets_out_again"
+    "$T/test_hardening_engine.py::test_a_check_or_probe_that_raises_is_a_reason_not_a_crash_and_the_probe_waits_for_the_surface"
+    "$T/test_hardening_engine.py::test_status_of_a_patch_says_why_it_is_not_active_and_survives_a_backend_that_raises"
     "$T/test_hardening_engine.py"
     "$T/test_lifecycle.py"
     "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
@@ -250,6 +253,7 @@ case $module in
     "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch"
     "$T/test_activation.py::test_disable_variable_wins_over_requests") ;;
   megapatch/core/surface.py) tests=(
+    "$T/test_surface.py"
     "$T/test_lifecycle.py::test_changed_upstream_surface_is_refused_in_strict_mode"
     "$T/test_lifecycle.py::test_changed_upstream_surface_is_skipped_with_a_warning_when_not_strict"
     "$T/test_lifecycle.py::test_missing_upstream_symbol_names_the_path"
