@@ -752,3 +752,68 @@ def test_status_of_a_patch_says_why_it_is_not_active_and_survives_a_backend_that
     engine_records._installed["stand.in"] = []
     active = engine_records._report(patch, fp32)
     assert (active.state, active.backend) == ("active", "unknown (RuntimeError: not yet known)")
+
+
+# -- issue 28 item 8: survivors of the eighth fresh mutation sample (seed 35) ----------------------
+
+def test_an_optional_target_is_installed_where_present_and_left_out_where_absent(engine_records, monkeypatch):
+    import sys
+
+    from megapatch.core.registry import Patch, Target
+
+    def here(x):
+        return x
+
+    module = _module("mp_stand_in_engine", here=here)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_engine", module)
+    wrap = lambda w, i, a, k: ("wrapped", w(*a, **k))  # noqa: E731
+    patch = Patch(name="stand.in", option="logits_dtype", summary="a stand-in", hook="mp_stand_in_engine",
+                  targets=(Target("mp_stand_in_engine", "here", wrap, optional=True),
+                           Target("mp_stand_in_engine", "only_in_later_releases", wrap, optional=True)),
+                  applies=lambda s: True)
+    engine_records._install(patch, strict=True)
+    try:
+        assert module.here(1) == ("wrapped", 1)
+        assert [i.target.attr for i in engine_records._installed["stand.in"]] == ["here"]
+    finally:
+        engine_records._uninstall(patch)
+    assert module.here is here
+
+
+def test_stopping_the_kill_switchs_announcements_takes_their_wrappers_out(engine_records, monkeypatch):
+    import sys
+
+    from megapatch.core import wrappers
+    from megapatch.core.registry import Target
+
+    def initialize_model_parallel():
+        return "groups"
+
+    module = _module("mp_stand_in_engine", initialize_model_parallel=initialize_model_parallel)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_engine", module)
+    installed = wrappers.install(Target("mp_stand_in_engine", "initialize_model_parallel",
+                                        lambda w, i, a, k: w(*a, **k)), "cross_rank.publish_settings")
+    monkeypatch.setattr(engine_records, "_announcing", {"cross_rank.publish_settings": [installed]})
+    assert module.initialize_model_parallel is not initialize_model_parallel
+    engine_records._stop_announcing()
+    assert module.initialize_model_parallel is initialize_model_parallel and engine_records._announcing == {}
+
+
+def test_a_rollback_that_cannot_reinstall_a_patch_says_so_and_restores_the_rest(engine_records, monkeypatch, caplog):
+    """enable() failing half-way puts back what it changed; a patch it cannot reinstall (its upstream
+    went away meanwhile) is logged, and the settings and records are restored all the same."""
+    from megapatch.core import options, state, wrappers
+    from megapatch.core.registry import Target
+
+    gone = wrappers.Installed(Target("mp_stand_in_module_gone", "fn", lambda w, i, a, k: None), None, "fn",
+                              None, None, [])
+    before = (True, options.Settings(logits_dtype="fp32"), {"logits_dtype": "enable()"}, {"stand.in": [gone]},
+              {"other": "a skip reason"}, {})
+    monkeypatch.setattr(state, "_current", options.NATIVE)
+    monkeypatch.setattr(state, "_sources", {})
+    monkeypatch.setattr(engine_records, "_enabled", False)
+    caplog.set_level(logging.ERROR, logger="megapatch")
+    engine_records._rollback(before)
+    assert any("reinstalling stand.in failed" in r.getMessage() for r in caplog.records), caplog.records
+    assert state.current() == options.Settings(logits_dtype="fp32") and engine_records._enabled is True
+    assert engine_records._skipped == {"other": "a skip reason"} and "stand.in" not in engine_records._installed

@@ -131,3 +131,12 @@ def test_the_lock_fingerprint_is_the_signature_and_a_hash_of_the_dedented_source
     stand_in.builtin = len  # no Python source
     assert surface.fingerprint(_target("builtin")) == {"present": True, "signature": "(obj, /)", "source_sha256": None}
     assert surface.fingerprint(_target("missing")) == {"present": False, "error": f"{MODULE}.missing does not exist"}
+
+
+def test_a_target_without_a_signature_or_source_is_fingerprinted_as_none_not_an_error(stand_in):
+    """``inspect.signature`` raises ValueError for a built-in without a text signature and TypeError
+    for something not callable; ``inspect.getsource`` raises TypeError for both."""
+    stand_in.no_signature = getattr
+    assert surface.fingerprint(_target("no_signature")) == {"present": True, "signature": None, "source_sha256": None}
+    assert surface.fingerprint(_target("CONSTANT")) == {"present": True, "signature": None, "source_sha256": None}
+    assert surface.parameter_names(getattr) is None
