@@ -61,6 +61,30 @@ def environ_without_megapatch() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
 
 
+class StandInGroup:
+    """A process group as megapatch's code reads it -- ``size()``, ``rank()`` -- without
+    torch.distributed (in-process tests of the pieces; the rank jobs use real gloo groups)."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def bare_module(cls):
+    """An instance of the torch Module subclass ``cls`` without running its ``__init__``: the type
+    (isinstance checks) and the attributes a test sets are what is read; no process group, no weights."""
+    import torch
+
+    module = object.__new__(cls)
+    torch.nn.Module.__init__(module)
+    return module
+
+
 def run_python(code: str, env: dict = None, timeout: int = 180, fresh: bool = True) -> subprocess.CompletedProcess:
     """Run ``code`` as ``python -c`` would (clean MEGAPATCH_* environment plus ``env``): in a fresh
     interpreter, or with ``fresh=False`` in a child of the rank server (torch and the third-party

@@ -17,7 +17,7 @@ import torch
 from megapatch.core.errors import CrossRankMismatchError
 from megapatch.testing import RankFailure, RankTimeout, run_ranks
 
-from conftest import REPO, environ_without_megapatch
+from conftest import REPO, environ_without_megapatch, run_python
 
 COLLECTIVE_DEADLINE_S = 120  # a hung collective fails the test; generous for a loaded machine
 # a check timeout no job here reaches: a refusal that came only at the timeout ends the job at its own
@@ -518,7 +518,6 @@ def test_a_wrapper_called_before_any_configuration_runs_no_settings_check():
             "print(wrapper(), checks)\n"
             "cross_rank.pending = True\n"
             "print(wrapper(), checks)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env=environ_without_megapatch())
+    done = run_python(code, fresh=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["upstream []", "upstream ['check']"], done.stdout  # the control: armed, it checks

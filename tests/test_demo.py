@@ -134,4 +134,3 @@ def test_without_matplotlib_the_demo_says_so_and_writes_no_plot(tmp_path, monkey
     err = capsys.readouterr().err
     assert "matplotlib is not installed" in err and "megapatch[plot]" in err, err
     assert not path.exists()
-

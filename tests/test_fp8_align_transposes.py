@@ -28,6 +28,7 @@ import logging
 
 import pytest
 
+from conftest import bare_module, run_python
 from megapatch.testing import run_ranks
 
 PP, VPP, MICROBATCHES, GROUP, ITERS = 2, 2, 4, 2, 2
@@ -502,9 +503,9 @@ class _StandInDDP:
         self.bucket_groups, self.expert_parallel_bucket_groups = [group], []
 
 
-def _decision(monkeypatch, chunks):
+def _decision(monkeypatch, chunks, change=None):
     """``_why_not`` for a VPP model whose chunk i holds the kinds ``chunks[i]`` ('fp8', 'mxfp8',
-    'bf16'). The dispatch stand-in follows TE 2.x's classes as megatron-core tests them
+    'bf16'), after ``change(model, pgb, call)`` edits it (``call`` holds ``args`` and ``kwargs``). The dispatch stand-in follows TE 2.x's classes as megatron-core tests them
     (fp8_utils.py, 0.16.1): ``is_float8tensor`` is ``isinstance(t, QuantizedTensor)``, True for
     per-tensor FP8 *and* MXFP8 params; ``is_mxfp8tensor`` is True for MXFP8 ones only. TE's
     ``post_all_gather_processing`` creates the transpose of a Float8Tensor (on GPUs without non-TN
@@ -529,8 +530,10 @@ def _decision(monkeypatch, chunks):
         post_all_gather_processing=lambda params: None,  # STAND-IN for TE's processing
         is_float8tensor=lambda t: kinds.get(id(t)) in ("fp8", "mxfp8"),
         is_mxfp8tensor=lambda t: kinds.get(id(t)) == "mxfp8")
-    return pm._why_not((), dict(model=model, forward_step_func=None, data_iterator=None,
-                                num_microbatches=4), pgb)
+    call = {"args": (), "kwargs": dict(model=model, forward_step_func=None, data_iterator=None, num_microbatches=4)}
+    if change is not None:
+        change(model, pgb, call)
+    return pm._why_not(call["args"], call["kwargs"], pgb)
 
 
 @pytest.mark.parametrize("chunks", [
@@ -553,25 +556,9 @@ def test_only_a_model_whose_quantized_parameters_are_all_mxfp8_passes_through(mo
 # -- every reason the alignment passes through, and the pieces it reads (labelled stand-ins) -------
 
 def _why_not_after(monkeypatch, change):
-    """``_why_not`` on the all-FP8 stand-in model of ``_decision`` (two chunks) after ``change(model,
-    pgb, call)`` edits it; ``call`` holds ``args`` and ``kwargs``. The changes touch the *last*
+    """``_why_not`` on an all-FP8 model of two chunks after ``change``; the changes touch the *last*
     chunk: a check of the first chunk only would miss them."""
-    from types import SimpleNamespace
-
-    import torch
-
-    import megatron.core.distributed.param_and_grad_buffer as real_pgb
-    from megapatch.patches import fp8_align_transposes as pm
-
-    monkeypatch.setattr(pm, "_unwrap_ddp", lambda chunk: chunk)
-    config = SimpleNamespace(param_sync_func=[lambda: None] * 2)
-    model = [_StandInDDP(config, [torch.nn.Parameter(torch.zeros(2))]) for _ in range(2)]
-    pgb = SimpleNamespace(_ParamAndGradBucketGroup=real_pgb._ParamAndGradBucketGroup,
-                          post_all_gather_processing=lambda params: None,  # STAND-IN for TE's processing
-                          is_float8tensor=lambda t: True, is_mxfp8tensor=lambda t: False)
-    call = {"args": (), "kwargs": dict(model=model, forward_step_func=None, data_iterator=None, num_microbatches=4)}
-    change(model, pgb, call)
-    return pm._why_not(call["args"], call["kwargs"], pgb)
+    return _decision(monkeypatch, [("fp8",), ("fp8",)], change)
 
 
 def _set(obj, **values):
@@ -585,7 +572,7 @@ WHY_NOT = {
     "not a list": (lambda m, p, c: c["kwargs"].update(model=m[0]), "no virtual pipeline"),
     "forward only": (lambda m, p, c: c["kwargs"].update(forward_only=True), "forward_only"),
     "no param_sync_func": (lambda m, p, c: _set(m[1].config, param_sync_func=None), "config.param_sync_func is None"),
-    "no DDP processing": (lambda m, p, c: _set(p, post_all_gather_processing=None) or delattr(p, "post_all_gather_processing")
+    "no DDP processing": (lambda m, p, c: delattr(p, "post_all_gather_processing")
                           or _set(p, _ParamAndGradBucketGroup=type("Group", (), {})), "megatron-core < 0.16"),
     "no distributed optimizer": (lambda m, p, c: _set(m[1].ddp_config, use_distributed_optimizer=False),
                                  "overlap_param_gather is off"),
@@ -635,8 +622,7 @@ def test_a_chunks_ddp_is_found_through_up_to_four_module_wrappers():
 
     from megapatch.patches.fp8_align_transposes import _unwrap_ddp
 
-    ddp = object.__new__(DistributedDataParallel)  # the type is what is read; nothing is built
-    torch.nn.Module.__init__(ddp)
+    ddp = bare_module(DistributedDataParallel)  # the type is what is read; nothing is built
 
     def wrapped(inner, times):
         for _ in range(times):
@@ -743,15 +729,8 @@ def test_a_forward_step_beyond_the_schedule_table_stops_aligning_instead_of_fail
 def test_before_any_schedule_call_the_decision_says_nothing_was_aligned():
     """``last_decision`` (documented as what status shows) in a fresh process: not aligned, no call
     seen, 0 chunks aligned."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, environ_without_megapatch
-
-    code = ("from megapatch.patches import fp8_align_transposes as pm\n"
-            "print(pm.last_decision)\nprint(pm._backend())\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env=environ_without_megapatch())
+    done = run_python("from megapatch.patches import fp8_align_transposes as pm\n"
+                      "print(pm.last_decision)\nprint(pm._backend())\n", fresh=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "{'aligned': False, 'reason': 'no interleaved schedule call seen yet', 'chunks': 0}",

@@ -538,12 +538,9 @@ def test_aliases_are_found_in_every_module_but_the_skipped_packages_and_put_back
     assert not installed.wrapper._self_switch.on
 
 
-def test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute():
+def test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute(monkeypatch):
     """A target inherited from a base class is set on the subclass while installed; uninstall
     deletes it (the class inherits again), instead of pinning the original on the subclass."""
-    import sys
-    import types
-
     from megapatch.core import wrappers
     from megapatch.core.registry import Target
 
@@ -556,19 +553,16 @@ def test_an_inherited_method_is_removed_again_not_left_as_an_own_attribute():
 
     module = _module("mp_stand_in_inherit", Child=Child)
     holder = _module("mp_stand_in_holder", function=Base.forward)  # the same function, held elsewhere
-    sys.modules["mp_stand_in_inherit"], sys.modules["mp_stand_in_holder"] = module, holder
-    try:
-        installed = wrappers.install(Target("mp_stand_in_inherit", "Child.forward",
-                                            lambda w, i, a, k: "wrapped " + w(*a, **k), kind="method"), "test.patch")
-        assert "forward" in Child.__dict__ and Child().forward() == "wrapped base"
-        assert holder.function is Base.__dict__["forward"] and installed.aliases == []  # a method: no alias scan
-        wrappers.uninstall(installed)
-        assert "forward" not in Child.__dict__ and Child().forward() == "base"
-        Base.forward = lambda self: "changed base"
-        assert Child().forward() == "changed base"  # inherits again
-    finally:
-        del sys.modules["mp_stand_in_inherit"], sys.modules["mp_stand_in_holder"]
-    assert isinstance(module, types.ModuleType)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_inherit", module)
+    monkeypatch.setitem(sys.modules, "mp_stand_in_holder", holder)
+    installed = wrappers.install(Target("mp_stand_in_inherit", "Child.forward",
+                                        lambda w, i, a, k: "wrapped " + w(*a, **k), kind="method"), "test.patch")
+    assert "forward" in Child.__dict__ and Child().forward() == "wrapped base"
+    assert holder.function is Base.__dict__["forward"] and installed.aliases == []  # a method: no alias scan
+    wrappers.uninstall(installed)
+    assert "forward" not in Child.__dict__ and Child().forward() == "base"
+    Base.forward = lambda self: "changed base"
+    assert Child().forward() == "changed base"  # inherits again
 
 
 def test_a_proxy_whose_wrapped_attribute_raises_ends_the_search_and_unreachable_functions_do_not_pickle():
@@ -591,7 +585,7 @@ def test_a_proxy_whose_wrapped_attribute_raises_ends_the_search_and_unreachable_
     assert getter(pickle.loads(pickle.dumps(module))) is pickle.dumps
 
 
-def test_a_wrapped_method_bound_to_an_instance_copies_and_pickles_like_a_bound_method():
+def test_a_wrapped_method_bound_to_an_instance_copies_and_pickles_like_a_bound_method(monkeypatch):
     """``copy`` keeps the bound method; ``deepcopy`` binds to a copy of the instance (as a bound
     method in a deep-copied structure does); pickling rebuilds it from the instance and the name;
     through the class (no instance) it pickles by reference."""
@@ -604,31 +598,28 @@ def test_a_wrapped_method_bound_to_an_instance_copies_and_pickles_like_a_bound_m
         return x * self.scale
 
     Layer = type("Layer", (), {"__module__": "mp_stand_in_bound", "scale": 2, "forward": forward})
-    Layer.__qualname__ = forward.__qualname__ = "Layer"
+    Layer.__qualname__ = "Layer"
     forward.__qualname__, forward.__module__ = "Layer.forward", "mp_stand_in_bound"
-    sys.modules["mp_stand_in_bound"] = _module("mp_stand_in_bound", Layer=Layer)
-    try:
-        installed = wrappers.install(Target("mp_stand_in_bound", "Layer.forward",
-                                            lambda w, i, a, k: w(*a, **k) + 1, kind="method"), "test.patch")
-        layer = Layer()
-        layer.scale = 3
-        bound = layer.forward
-        assert type(bound) is wrappers.MegapatchBoundWrapper and bound(5) == 16
-        assert copy.copy(bound) is bound
-        deep = copy.deepcopy(bound)
-        assert deep.__self__ is not layer and isinstance(deep.__self__, Layer) and deep.__self__.scale == 3
-        assert deep(5) == 16 and wrappers.is_megapatch_wrapper(deep)
-        memo_shared = copy.deepcopy({"layer": layer, "fn": bound})
-        assert memo_shared["fn"].__self__ is memo_shared["layer"]  # one copy of the instance
-        loaded = pickle.loads(pickle.dumps(bound))
-        assert loaded.__self__ is not layer and loaded.__self__.scale == 3 and loaded(5) == 16
-        through_class = Layer.forward
-        assert copy.deepcopy(through_class) is through_class
-        by_reference = pickle.loads(pickle.dumps(through_class))  # whatever the name holds now: the wrapper
-        assert wrappers.is_megapatch_wrapper(by_reference) and by_reference.__wrapped__ is forward
-        wrappers.uninstall(installed)
-    finally:
-        del sys.modules["mp_stand_in_bound"]
+    monkeypatch.setitem(sys.modules, "mp_stand_in_bound", _module("mp_stand_in_bound", Layer=Layer))
+    installed = wrappers.install(Target("mp_stand_in_bound", "Layer.forward",
+                                        lambda w, i, a, k: w(*a, **k) + 1, kind="method"), "test.patch")
+    layer = Layer()
+    layer.scale = 3
+    bound = layer.forward
+    assert type(bound) is wrappers.MegapatchBoundWrapper and bound(5) == 16
+    assert copy.copy(bound) is bound
+    deep = copy.deepcopy(bound)
+    assert deep.__self__ is not layer and isinstance(deep.__self__, Layer) and deep.__self__.scale == 3
+    assert deep(5) == 16 and wrappers.is_megapatch_wrapper(deep)
+    memo_shared = copy.deepcopy({"layer": layer, "fn": bound})
+    assert memo_shared["fn"].__self__ is memo_shared["layer"]  # one copy of the instance
+    loaded = pickle.loads(pickle.dumps(bound))
+    assert loaded.__self__ is not layer and loaded.__self__.scale == 3 and loaded(5) == 16
+    through_class = Layer.forward
+    assert copy.deepcopy(through_class) is through_class
+    by_reference = pickle.loads(pickle.dumps(through_class))  # whatever the name holds now: the wrapper
+    assert wrappers.is_megapatch_wrapper(by_reference) and by_reference.__wrapped__ is forward
+    wrappers.uninstall(installed)
 
 
 def test_an_alias_in_a_module_no_longer_in_sys_modules_is_put_back_from_the_install_record(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 import megapatch
 from megapatch.core.errors import UnsupportedConfigurationError
+from conftest import bare_module
 from megapatch.testing import run_ranks
 
 VOCAB, SEQ = 128, 16
@@ -411,14 +412,12 @@ def test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_i
     from megapatch.patches import logits
 
     monkeypatch.setattr(state, "_current", options.Settings(logits_dtype="fp32"))
-    native = object.__new__(ColumnParallelLinear)  # the attributes lm_head reads, no process group
-    torch.nn.Module.__init__(native)
+    native = bare_module(ColumnParallelLinear)  # the attributes lm_head reads, no process group
     native.output_dtype, native._megapatch_expect_call = torch.float32, False
     with logits.lm_head(native):
         assert native.output_dtype is None
     assert native.output_dtype is torch.float32
-    older = object.__new__(ColumnParallelLinear)
-    torch.nn.Module.__init__(older)
+    older = bare_module(ColumnParallelLinear)
     older._megapatch_expect_call = False
     with logits.lm_head(older):
         assert not hasattr(older, "output_dtype")
@@ -568,8 +567,7 @@ def test_a_model_logit_dtype_other_than_fp32_is_refused_naming_both_settings(mon
 
     monkeypatch.setattr(state, "_current", options.Settings(logits_dtype="fp32"))
     monkeypatch.setattr(state, "_sources", {"logits_dtype": "env MEGAPATCH_LOGITS_DTYPE"})
-    layer = object.__new__(ColumnParallelLinear)
-    torch.nn.Module.__init__(layer)
+    layer = bare_module(ColumnParallelLinear)
     layer._megapatch_expect_call = False
     layer.output_dtype = torch.bfloat16
     with pytest.raises(UnsupportedConfigurationError) as refused:
@@ -734,8 +732,7 @@ def test_model_construction_refuses_only_under_fp32_logits_and_only_a_model_with
 
     built = []
     construct = lambda *a, **k: built.append((a, k))  # noqa: E731
-    own_dtype = object.__new__(ColumnParallelLinear)
-    torch.nn.Module.__init__(own_dtype)
+    own_dtype = bare_module(ColumnParallelLinear)
     own_dtype.output_dtype = torch.bfloat16
     for head in (torch.nn.Linear(2, 2), own_dtype):
         monkeypatch.setattr(state, "_current", options.NATIVE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import bare_module
 from megapatch.testing import run_ranks
 from megapatch.testing.scenarios import moe_tiny
 from tests.test_tp_reduce_megatron_core import _needs_fp32_reductions
@@ -346,14 +347,9 @@ def test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else(
     from megapatch.patches._common import MOE_FP32_SUM
     from megapatch.patches.tp_reduce_moe import _mark
 
-    def row_parallel():
-        module = object.__new__(RowParallelLinear)  # the type is what is checked; no process group
-        torch.nn.Module.__init__(module)
-        return module
-
     def mlp():
         module = torch.nn.Module()
-        module.linear_fc1, module.linear_fc2 = row_parallel(), row_parallel()
+        module.linear_fc1, module.linear_fc2 = bare_module(RowParallelLinear), bare_module(RowParallelLinear)
         return module
 
     experts = torch.nn.Module()

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import StandInGroup
 from megapatch.testing import run_ranks
 
 W = 8
@@ -77,17 +78,6 @@ def invariant(monkeypatch):
 
     monkeypatch.setattr(state, "_current", options.Settings(tp_invariant=True, tp_invariant_width=W))
     monkeypatch.setattr(state, "_sources", {"tp_invariant": "enable()", "tp_invariant_width": "enable()"})
-
-
-class _Group:
-    def __init__(self, size):
-        self._size = size
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return 0
 
 
 # -- block arithmetic at TP=1 (no ranks) --------------------------------------------------------
@@ -310,7 +300,7 @@ def _column_call(group_size, **kw):
     args = dict(input=_small((3, 4), 21).bfloat16(), weight=_small((16, 4), 22).bfloat16(), bias=None,
                 gradient_accumulation_fusion=False, allreduce_dgrad=group_size > 1, sequence_parallel=False,
                 grad_output_buffer=None)
-    instance = SimpleNamespace(tp_group=_Group(group_size), config=SimpleNamespace(num_query_groups=None))
+    instance = SimpleNamespace(tp_group=StandInGroup(group_size), config=SimpleNamespace(num_query_groups=None))
     for key in list(kw):
         if key in args:
             args[key] = kw.pop(key)
@@ -344,7 +334,7 @@ def test_column_refusals_read_positional_arguments_at_upstreams_positions(invari
     from megapatch.core.errors import UnsupportedConfigurationError
     from megapatch.patches import tp_invariant as patch
 
-    instance = SimpleNamespace(tp_group=_Group(1), config=SimpleNamespace(num_query_groups=None))
+    instance = SimpleNamespace(tp_group=StandInGroup(1), config=SimpleNamespace(num_query_groups=None))
     args = (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(16, 4, dtype=torch.bfloat16), None)
     assert patch._column_forward_impl(None, instance, args + (False, False, False, None), {}) is not None
     with pytest.raises(UnsupportedConfigurationError, match=what):
@@ -373,7 +363,7 @@ def test_a_gated_fc1_that_w_does_not_split_is_refused_naming_its_full_size(invar
     from megapatch.core.scope import scoped
     from megapatch.patches import tp_invariant as patch
 
-    instance = SimpleNamespace(tp_group=_Group(2), config=SimpleNamespace(num_query_groups=None))
+    instance = SimpleNamespace(tp_group=StandInGroup(2), config=SimpleNamespace(num_query_groups=None))
     args = dict(input=torch.ones(2, 4, dtype=torch.bfloat16), weight=torch.ones(12, 4, dtype=torch.bfloat16),
                 bias=None, allreduce_dgrad=True)
     with scoped(patch._gated_fc1, instance):
@@ -382,7 +372,7 @@ def test_a_gated_fc1_that_w_does_not_split_is_refused_naming_its_full_size(invar
 
 
 def _row_instance(**kw):
-    fields = dict(tp_group=_Group(1), sequence_parallel=False, explicit_expert_comm=False,
+    fields = dict(tp_group=StandInGroup(1), sequence_parallel=False, explicit_expert_comm=False,
                   gradient_accumulation_fusion=False, input_is_parallel=True, skip_bias_add=False,
                   weight=_planted((2, 16), 31).bfloat16(), bias=_small((2,), 32).bfloat16())
     return SimpleNamespace(**{**fields, **kw})
@@ -423,7 +413,7 @@ def test_a_row_layer_that_w_does_not_split_is_refused_naming_its_full_size(invar
     from megapatch.core.errors import OptionError
     from megapatch.patches import tp_invariant as patch
 
-    layer = _row_instance(tp_group=_Group(2), weight=torch.ones(2, 6, dtype=torch.bfloat16))
+    layer = _row_instance(tp_group=StandInGroup(2), weight=torch.ones(2, 6, dtype=torch.bfloat16))
     with pytest.raises(OptionError, match="input features has size 12, not divisible by tp_invariant_width=8"):
         patch._row_forward(None, layer, (torch.ones(3, 6, dtype=torch.bfloat16),), {})
 
@@ -465,31 +455,22 @@ def test_the_norm_spans_tp_alone_or_tp_times_pp_and_refuses_other_ranks(invarian
     from megapatch.core.errors import UnsupportedConfigurationError
     from megapatch.patches import tp_invariant as patch
 
-    stages = _Group(4)  # PP 4 with TP 2: TP x PP = 8, TP + PP = 6
+    stages = StandInGroup(4)  # PP 4 with TP 2: TP x PP = 8, TP + PP = 6
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: stages)
-    tp = _Group(2)
-    assert patch._pipeline_stages(None, tp, False) is None and patch._pipeline_stages(_Group(2), tp, False) is None
-    assert patch._pipeline_stages(_Group(8), tp, False) is stages
+    tp = StandInGroup(2)
+    assert patch._pipeline_stages(None, tp, False) is None and patch._pipeline_stages(StandInGroup(2), tp, False) is None
+    assert patch._pipeline_stages(StandInGroup(8), tp, False) is stages
     for size in (16, 6, 4):  # data-parallel or expert ranks too, or a group that is no TP x PP
         with pytest.raises(UnsupportedConfigurationError, match=f"a grad norm over {size} ranks \\(TP 2 x PP 4"):
-            patch._pipeline_stages(_Group(size), tp, False)
+            patch._pipeline_stages(StandInGroup(size), tp, False)
     # the distributed optimizer's norm spans its data-parallel shards too (gathered first): TP x PP x DP
     monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda **kw: 2)
-    assert patch._pipeline_stages(_Group(16), tp, True) is stages
+    assert patch._pipeline_stages(StandInGroup(16), tp, True) is stages
     with pytest.raises(UnsupportedConfigurationError, match="TP 2 x PP 4 x DP 2"):
-        patch._pipeline_stages(_Group(8), tp, True)
+        patch._pipeline_stages(StandInGroup(8), tp, True)
 
 
 # -- sequence parallelism and token-split sums at TP=1 (no ranks) ------------------------------------
-
-class _Ranked(_Group):
-    def __init__(self, size, rank):
-        super().__init__(size)
-        self._rank = rank
-
-    def rank(self):
-        return self._rank
-
 
 def test_sequence_parallel_slices_take_this_ranks_positions(invariant):
     """``_own_rows`` (ScatterSequence's forward, GatherSequence's backward): rank r of t holds
@@ -498,7 +479,7 @@ def test_sequence_parallel_slices_take_this_ranks_positions(invariant):
 
     x = torch.arange(8 * 2 * 3, dtype=torch.float32).view(8, 2, 3)
     for t, r in ((1, 0), (2, 0), (2, 1), (4, 3), (8, 5)):
-        group = _Ranked(t, r)
+        group = StandInGroup(t, r)
         want = x[r * 8 // t:(r + 1) * 8 // t]
         gathered_grad, none = GatherSequence.backward(SimpleNamespace(group=group), x)
         assert none is None
@@ -554,7 +535,7 @@ def test_norm_affine_gradients_sum_token_blocks_in_the_fixed_tree(invariant):
     for rank in (0, 1):  # split: the total on rank 0, zeros elsewhere (upstream all-reduces them)
         w = weight.detach().clone().requires_grad_()
         b = bias.detach().clone().requires_grad_()
-        TokenBlockedAffine.apply(normalised.detach(), w, b, _Ranked(1, rank), W, True,
+        TokenBlockedAffine.apply(normalised.detach(), w, b, StandInGroup(1, rank), W, True,
                                  torch.float32).backward(grad)
         want_w, want_b = _token_oracle(grad * normalised.detach()), _token_oracle(grad)
         if rank:
@@ -578,7 +559,7 @@ def test_row_bias_gradient_sums_token_blocks_in_the_fixed_tree(invariant):
     out.backward(grad)
     assert bias.grad.dtype == torch.float32 and torch.equal(bias.grad, _token_oracle(grad))
     half = torch.tensor([1.0, 0.25, -1.0], dtype=torch.bfloat16, requires_grad=True)
-    TokenBlockedBias.apply(half, (8, 2, 3), _Ranked(1, 1), W, True).backward(grad.bfloat16())
+    TokenBlockedBias.apply(half, (8, 2, 3), StandInGroup(1, 1), W, True).backward(grad.bfloat16())
     assert half.grad.dtype == torch.bfloat16 and torch.equal(half.grad, torch.zeros(3, dtype=torch.bfloat16))
 
 
@@ -608,14 +589,14 @@ def test_token_blocks_are_w_or_w_over_t_and_a_split_sequence_w_does_not_divide_i
     from megapatch.patches import tp_invariant as patch
 
     assert patch._token_blocks(torch.ones(6, 2, 3), None, False) == 1
-    assert patch._token_blocks(torch.ones(6, 2, 3), _Group(2), False) == 1
+    assert patch._token_blocks(torch.ones(6, 2, 3), StandInGroup(2), False) == 1
     assert patch._token_blocks(torch.ones(16, 1, 3), None, False) == W
-    assert patch._token_blocks(torch.ones(16, 1, 3), _Group(2), False) == W  # not split: the group plays no part
-    assert patch._token_blocks(torch.ones(8, 1, 3), _Group(2), True) == W // 2
-    assert patch._token_blocks(torch.ones(4, 1, 3), _Group(4), True) == W // 4
+    assert patch._token_blocks(torch.ones(16, 1, 3), StandInGroup(2), False) == W  # not split: the group plays no part
+    assert patch._token_blocks(torch.ones(8, 1, 3), StandInGroup(2), True) == W // 2
+    assert patch._token_blocks(torch.ones(4, 1, 3), StandInGroup(4), True) == W // 4
     with pytest.raises(OptionError, match=r"the sequence \(tokens summed into a norm or bias gradient\) has "
                                           r"size 12, not divisible by tp_invariant_width=8"):
-        patch._token_blocks(torch.ones(6, 1, 3), _Group(2), True)
+        patch._token_blocks(torch.ones(6, 1, 3), StandInGroup(2), True)
 
 
 def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are_refused(invariant):
@@ -710,14 +691,14 @@ def test_the_grad_norm_reads_its_stats_group_at_upstreams_position(invariant, mo
     from megapatch.core.scope import scoped
     from megapatch.patches import tp_invariant as patch
 
-    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: _Group(4))
-    owner = SimpleNamespace(get_parameters=lambda: [], tp_group=_Group(2),
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: StandInGroup(4))
+    owner = SimpleNamespace(get_parameters=lambda: [], tp_group=StandInGroup(2),
                             config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
     with scoped(patch._norm_owner, owner):
-        for args, kwargs in ((([], 2.0, _Group(16)), {}), (([],), {"grad_stats_parallel_group": _Group(16)})):
+        for args, kwargs in ((([], 2.0, StandInGroup(16)), {}), (([],), {"grad_stats_parallel_group": StandInGroup(16)})):
             with pytest.raises(UnsupportedConfigurationError, match=r"a grad norm over 16 ranks \(TP 2 x PP 4"):
                 patch._grad_norm_fp32(None, None, args, kwargs)
-        assert patch._grad_norm_fp32(None, None, ([], 2.0, _Group(2)), {}) == 0.0  # TP alone: no parameters
+        assert patch._grad_norm_fp32(None, None, ([], 2.0, StandInGroup(2)), {}) == 0.0  # TP alone: no parameters
 
 
 class DistributedOptimizer(SimpleNamespace):
@@ -734,7 +715,7 @@ def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_
     sharded = _param(_norm_grad(0), 0, SimpleNamespace(tp_size=1, tp_rank=0))
     replicated = _param(torch.full((2, 2), 4096.0), None, SimpleNamespace(tp_size=1, tp_rank=0))
     data = torch.cat([replicated.grad.reshape(-1), sharded.grad.reshape(-1)])
-    buffer = SimpleNamespace(grad_data=data, data_parallel_group=_Ranked(1, 0), bucket_indices=[(0, 52)],
+    buffer = SimpleNamespace(grad_data=data, data_parallel_group=StandInGroup(1, 0), bucket_indices=[(0, 52)],
                              buckets=[SimpleNamespace(grad_data=data)],
                              param_index_map={sharded: (4, 52, 0), replicated: (0, 4, 0)})
     for p in (sharded, replicated):
@@ -743,7 +724,7 @@ def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_
     pairs = list(patch._distributed_grads(optimizer))
     assert [p for p, _ in pairs] == [replicated, sharded]
     assert torch.equal(pairs[0][1], torch.full((2, 2), 4096.0)) and torch.equal(pairs[1][1], _norm_grad(0))
-    optimizer.tp_group = _Group(1)
+    optimizer.tp_group = StandInGroup(1)
     with scoped(patch._norm_owner, optimizer):
         norm = patch._grad_norm_fp32(None, None, ([], 2.0, None), {})
     assert norm == (torch.tensor(4 * BIG) + _norm_oracle(_norm_grad(0), 0)).item() ** 0.5

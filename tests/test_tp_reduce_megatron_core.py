@@ -10,7 +10,7 @@ Reductions run at TP=4 and at TP=2 x DP=2 (world 4), on sizes not divisible by T
 import pytest
 import torch
 
-from conftest import check_refused_where_upstream_cannot_take, skip_unless_upstream_takes
+from conftest import StandInGroup, check_refused_where_upstream_cannot_take, skip_unless_upstream_takes
 from megapatch.testing import run_ranks
 from reduction_oracles import partial as _partial, rank_order_sum as _oracle
 
@@ -522,14 +522,6 @@ def test_an_unknown_reduction_mode_is_refused_naming_it_and_the_valid_ones(colle
     assert torch.equal(x, torch.ones(4, dtype=torch.bfloat16))  # nothing touched
 
 
-class _Group:
-    def __init__(self, size):
-        self._size = size
-
-    def size(self):
-        return self._size
-
-
 def test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors(monkeypatch):
     """A group of one, megapatch's native mode, and a tensor that is neither BF16 nor FP16 (FP32,
     integers) go to upstream's own collective; the settings check runs on every group of more than
@@ -542,16 +534,16 @@ def test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tens
 
     checked = []
     monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: checked.append((group, settings)))
-    world = _Group(3)
+    world = StandInGroup(3)
     monkeypatch.setattr(_common, "c10d", SimpleNamespace(group=SimpleNamespace(WORLD=world)))
     bf16 = torch.ones(2, dtype=torch.bfloat16)
     monkeypatch.setattr(state, "_current", options.NATIVE)
-    assert _common.reduction_mode(bf16, _Group(2)) is None and checked == []
+    assert _common.reduction_mode(bf16, StandInGroup(2)) is None and checked == []
     for mode in MODES:
         settings = options.Settings(tp_reduce_dtype=mode)
         monkeypatch.setattr(state, "_current", settings)
-        two = _Group(2)
-        assert _common.reduction_mode(bf16, _Group(1)) is None and checked == []
+        two = StandInGroup(2)
+        assert _common.reduction_mode(bf16, StandInGroup(1)) is None and checked == []
         for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
             assert _common.reduction_mode(torch.ones(2, dtype=dtype), two) is None, dtype
             assert checked.pop() == (two, settings)
@@ -575,7 +567,7 @@ def _collectives_taken(monkeypatch, mode):
     monkeypatch.setattr(fp32_collectives, "reduce_scatter_", lambda *a, **k: taken.append(("rs", a, k)))
     monkeypatch.setattr(fp32_collectives, "all_reduce_", lambda *a, **k: taken.append(("ar", a, k)))
     upstream = lambda *a, **k: ("upstream", a, k)  # noqa: E731
-    return patch, taken, upstream, torch.empty(1, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), _Group(2)
+    return patch, taken, upstream, torch.empty(1, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), StandInGroup(2)
 
 
 def test_only_a_sum_is_taken_by_the_patched_collectives(monkeypatch):
@@ -653,15 +645,15 @@ def test_row_parallel_asks_for_its_fp32_accumulator_only_where_a_reduction_follo
     def forward(layer, dtype=None):
         return patch._row_parallel_forward(lambda *a, **k: upstream(*a, output_dtype=dtype, **k), layer, (x,), {})
 
-    alone, expert = SimpleNamespace(tp_group=_Group(1)), SimpleNamespace(tp_group=_Group(2), explicit_expert_comm=True)
+    alone, expert = SimpleNamespace(tp_group=StandInGroup(1)), SimpleNamespace(tp_group=StandInGroup(2), explicit_expert_comm=True)
     for layer in (alone, expert):
         out, bias = forward(layer)
         assert requests.pop() is None and out.dtype == torch.bfloat16 and bias == "bias"
-    out, bias = forward(SimpleNamespace(tp_group=_Group(2)))
+    out, bias = forward(SimpleNamespace(tp_group=StandInGroup(2)))
     assert requests.pop() is torch.float32 and out.dtype == torch.bfloat16 and bias == "bias"
     assert torch.equal(out, (x.float() / 3).to(torch.bfloat16))
-    summed_on = SimpleNamespace(tp_group=_Group(1), **{MOE_FP32_SUM: True})
+    summed_on = SimpleNamespace(tp_group=StandInGroup(1), **{MOE_FP32_SUM: True})
     out, _ = forward(summed_on)
     assert requests.pop() is torch.float32 and out.dtype == torch.float32
     with pytest.raises(UpstreamSurfaceError, match="RowParallelLinear produced torch.bfloat16, not its FP32"):
-        forward(SimpleNamespace(tp_group=_Group(2)), dtype=torch.bfloat16)
+        forward(SimpleNamespace(tp_group=StandInGroup(2)), dtype=torch.bfloat16)
