@@ -58,3 +58,13 @@ def reduction_mode(tensor: torch.Tensor, group) -> Optional[str]:
     if tensor.dtype not in LOW_PRECISION:
         return None
     return settings.tp_reduce_dtype
+
+
+def refuse_tp_invariant(what: str, why: str):
+    """Stop what ``tp_invariant`` cannot make invariant, naming it, the reason and where the mode
+    was switched on."""
+    from megapatch.core.errors import UnsupportedConfigurationError
+
+    raise UnsupportedConfigurationError(
+        f"megapatch tp_invariant=True does not support {what}: {why}. tp_invariant was set by "
+        f"{state.origin('tp_invariant')}.")

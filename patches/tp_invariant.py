@@ -76,17 +76,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 
 import torch
 
-from megapatch.numerics import block_shapes, fp32_output_linear
+from megapatch.numerics import block_shapes, exact_sum, fp32_output_linear
 from megapatch.numerics import block_tree as tpi
 from megapatch.core.call_args import argument
-from megapatch.core.errors import UnsupportedConfigurationError
 from megapatch.core.registry import Patch, Target
 from megapatch.core.scope import scoped
 from megapatch.core import report, state
-from megapatch.patches._common import LAYERS, MEGATRON_CORE_TP_INVARIANT_TESTED, tp_group, when
+from megapatch.patches._common import (LAYERS, MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant,
+                                       tp_group, when)
 
 CROSS_ENTROPY = "megatron.core.tensor_parallel.cross_entropy"
 MLP = "megatron.core.transformer.mlp"
@@ -104,10 +105,7 @@ _router_blocks = contextvars.ContextVar("megapatch_tp_invariant_router_blocks", 
 _expert_rows = contextvars.ContextVar("megapatch_tp_invariant_expert_rows", default=None)  # TokenSources
 
 
-def _refuse(what: str, why: str):
-    raise UnsupportedConfigurationError(
-        f"megapatch tp_invariant=True does not support {what}: {why}. tp_invariant was set by "
-        f"{state.origin('tp_invariant')}.")
+_refuse = refuse_tp_invariant
 
 
 _TE_WHY = "Transformer Engine GEMMs choose their kernels by shape"
@@ -419,9 +417,12 @@ def _data_parallel():
 
     size = parallel_state.get_data_parallel_world_size()
     if size & (size - 1):
+        below = 1 << (size.bit_length() - 1)
         _refuse(f"a data-parallel size of {size} with expert layers",
                 "an expert's weight gradient sums the data-parallel ranks' tokens in a fixed tree whose "
-                "width is a power of two")
+                f"width is a power of two. Run a power-of-two data-parallel size ({below} or {2 * below}: the "
+                f"world size divided by TP x PP x CP), by changing the number of ranks or "
+                f"--tensor-model-parallel-size / --pipeline-model-parallel-size / --context-parallel-size")
     return parallel_state.get_data_parallel_rank(), size, parallel_state.get_expert_data_parallel_group()
 
 
@@ -591,6 +592,17 @@ _MOE_REFUSED = {
         "Sinkhorn normalises over this rank's tokens, which sequence parallelism splits"),
     "add_bias_linear": (bool, "on by default; --disable-bias-linear", _MOE_BIAS[1]),
 }
+
+
+def _moe_coverage() -> str:
+    """What ``tp_invariant.moe`` covers and what the mode refuses in expert layers (status, doctor,
+    the job-log line), from the refusal table itself."""
+    refused = [f"{field} ({flag})" for field, (_, flag, _) in _MOE_REFUSED.items()]
+    refused += [_MOE_EP[0], "one expert per EP rank", "expert_tensor_parallel_size other than the TP size",
+                "calculate_per_token_loss with an aux or z loss", "a data-parallel size that is not a power of two"]
+    return ("router gating GEMM and top-k per token block, routed experts (SequentialMLP, expert TP = TP) and "
+            "shared experts through the fixed tree, aux and z losses; dispatchers allgather (EP 1) and alltoall "
+            "(any EP, each source rank's tokens one block); refused at construction: " + "; ".join(refused))
 
 
 def _moe_refusals(config, layout=None) -> list:
@@ -789,9 +801,9 @@ def _chained_grad_norm(wrapped, instance, args, kwargs):
 
 def _invariant_grad_norm(owner, stats_group) -> float:
     """The 2-norm of every gradient the ``owner``'s optimizers step: each parameter's sum of squares
-    through the fixed tree along its partition dim, added in parameter order -- expert parameters
-    last, in (layer, global expert, parameter) order gathered over the EP ranks, which hold other
-    experts -- and with pipeline parallelism the stages' totals in stage order."""
+    through the fixed tree along its partition dim (expert parameters gathered over the EP ranks,
+    which hold other experts), the squares of every parameter of every pipeline stage added exactly
+    (``exact_sum.scalar_sum``: correctly rounded whatever the order and the stages' cut)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.module import param_is_not_shared
 
@@ -817,17 +829,11 @@ def _invariant_grad_norm(owner, stats_group) -> float:
             halves.append(getattr(model, _GATED, 1))
             keys.append(getattr(model, _EXPERT_KEY, None))
     squares = tpi.squared_norms(grads, dims, tp_group, halves)
-    total = torch.zeros((), dtype=torch.float32)
-    for value, key in zip(squares.unbind(0), keys):  # in parameter order
-        if key is None:
-            total = total + value
-    for value in _expert_squares(squares, keys):
-        total = total + value
-    if stages is not None:  # every TP rank of a stage holds the same total: add the stages in order
-        per_stage = [torch.empty_like(total) for _ in range(stages.size())]
-        torch.distributed.all_gather(per_stage, total, group=stages)
-        total = functools.reduce(torch.add, per_stage)
-    return total.item() ** 0.5
+    values = [value for value, key in zip(squares.tolist(), keys) if key is None]
+    values += [float(value) for value in _expert_squares(squares, keys)]
+    # every TP rank of a stage holds the same values; the sum over the stages is exact (correctly
+    # rounded), so it does not depend on how the pipeline cuts the parameters into stages
+    return math.sqrt(exact_sum.scalar_sum(values, stages))
 
 
 def _expert_squares(squares, keys):
@@ -952,6 +958,7 @@ PATCHES = (
                 "through the token tree); with expert parallelism (alltoall) each source DP rank's tokens one "
                 "block in the experts' GEMMs (experts: tp_invariant.tensor_parallel, tp_invariant.mlp)",
         hook=MOE_LAYER,
+
         targets=(
             Target(ROUTER, "Router.gating", _router_gating, kind="method", params=("self", "input")),
             Target(ROUTER, "TopKRouter.routing", _router_routing, kind="method", params=("self", "logits")),

@@ -1,0 +1,207 @@
+"""Exact, order-independent sums of FP32 tensors over micro-batches and ranks (``tp_invariant``'s
+data-parallel gradient sum).
+
+Every element keeps its running sum as ``LIMBS`` integers of ``BIN`` bits each, on a grid set by
+the element's largest contribution so far. Bin ``b`` holds the bits of weight ``2**(b*BIN)`` up to
+``2**((b+1)*BIN - 1)``; the bin boundaries are the same for every contribution, every element and
+every rank. An element's *top bin* is the bin of the leading bit of its largest |contribution|; it
+keeps the ``LIMBS`` bins from there down, as integers, and truncates each contribution's lower bits
+toward zero. When a larger contribution raises the top bin, the lowest limbs are dropped whole:
+exactly the bits every contribution loses at the coarser grid. So the sum kept is
+``sum_i trunc(x_i / u) * u`` with ``u = 2**((top - LIMBS + 1) * BIN)`` and ``top`` the bin of the
+largest ``|x_i|`` -- a function of the set of contributions only: not of their order, of how they
+are split between micro-batches and ranks, nor of a collective's algorithm (integer sums are
+exact). This is the binned scheme of reproducible-summation libraries (ReproBLAS: Demmel, Nguyen,
+Ahrens), with integer bins. Across ranks: one all-reduce MAX of the top bins (int8), every rank
+drops the limbs below the common grid, the limbs are combined into one int64 per element and
+summed by an all-reduce (or reduce-scatter); the integer is converted back to FP32 once.
+
+Precision: an element keeps at least ``(LIMBS - 1) * BIN`` = 32 and at most 48 bits below its
+largest contribution; each contribution is truncated by less than ``2**-32`` of that largest one,
+so the result is within ``N * 2**-32 * max|x_i|`` of the exact sum (N contributions) before the
+final rounding to FP32 -- where an FP32 running sum errs by up to about ``N * 2**-24``. Only
+bits of contributions more than 2**32 below the element's largest are lost; an element's own
+scale does not depend on its neighbours (the top bin is per element).
+
+Range: every finite FP32 value (subnormals included); NaN/Inf contributions make the element's
+result NaN. At most ``MAX_CONTRIBUTIONS`` (2**15 - 1) contributions to one element across all ranks
+(the int64 of ``N * 2**48`` must not overflow); more raises.
+
+Cost: 13 bytes per element of state (int8 top bin, three int32 limbs) beside the FP32 grad buffer;
+on the wire 1 byte (MAX) + 8 bytes (SUM) per element where an FP32 all-reduce sends 4.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+BIN = 16                      # bits per bin
+LIMBS = 3                     # bins kept below and at the top bin
+EMPTY = -128                  # top bin of an element with no non-zero contribution (int8 minimum)
+NONFINITE = 127               # top bin of an element that received a NaN or Inf
+MAX_CONTRIBUTIONS = 2 ** 15 - 1
+_MASK = (1 << BIN) - 1
+
+
+def top_bins(values: torch.Tensor) -> torch.Tensor:
+    """The bin of each element's leading bit (int8): ``floor(floor(log2|x|) / BIN)``; ``EMPTY``
+    for zeros, ``NONFINITE`` for NaN/Inf."""
+    x = values.float()
+    _, exponent = torch.frexp(x)  # |x| = m * 2**exponent, m in [0.5, 1): leading bit 2**(exponent-1)
+    bins = torch.div(exponent.to(torch.int32) - 1, BIN, rounding_mode="floor")
+    bins = torch.where(x == 0, torch.full_like(bins, EMPTY), bins)
+    bins = torch.where(torch.isfinite(x), bins, torch.full_like(bins, NONFINITE))
+    return bins.to(torch.int8)
+
+
+def _grid_exponent(top: torch.Tensor) -> torch.Tensor:
+    """``log2`` of the grid unit of each element (int32); 0 where the element holds nothing."""
+    top = top.to(torch.int32)
+    usable = (top != EMPTY) & (top != NONFINITE)
+    return torch.where(usable, (top - (LIMBS - 1)) * BIN, torch.zeros_like(top))
+
+
+def _drop_limbs(limbs: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``limbs[k + shift]`` into row ``k`` (zeros past the top): the limbs after an element's top
+    bin rose by ``shift`` bins (the lowest ``shift`` limbs dropped whole)."""
+    if not bool((shift != 0).any()):
+        return limbs
+    padded = torch.cat([limbs, torch.zeros_like(limbs)])
+    rows = torch.arange(LIMBS, device=limbs.device).unsqueeze(1) + shift.clamp(0, LIMBS).long().unsqueeze(0)
+    return padded.gather(0, rows)
+
+
+def _digits(values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """``trunc(x / 2**grid)`` cut into ``LIMBS`` signed ``BIN``-bit digits (int32, lowest first).
+    ``|x| < 2**(grid + LIMBS*BIN)`` by the choice of the top bin, so the quotient is an integer below
+    2**48: exact in FP64 (the FP32 value times a power of two, truncated)."""
+    x = values.double()
+    q = torch.trunc(x.abs() * torch.exp2(-grid.double())).to(torch.int64)
+    sign = torch.where(x < 0, -1, 1).to(torch.int64)
+    return torch.stack([((q >> (BIN * k)) & _MASK) * sign for k in range(LIMBS)]).to(torch.int32)
+
+
+class Accumulator:
+    """The exact running sums of ``numel`` elements (one per element of a gradient bucket)."""
+
+    def __init__(self, numel: int, device=None):
+        self.top = torch.full((numel,), EMPTY, dtype=torch.int8, device=device)
+        self.limbs = torch.zeros((LIMBS, numel), dtype=torch.int32, device=device)
+        self.counts = {}  # start offset -> contributions added there (the overflow bound)
+
+    @property
+    def numel(self) -> int:
+        return self.top.numel()
+
+    def add(self, start: int, values: torch.Tensor) -> None:
+        """Add ``values`` (any float dtype; converted to FP32 exactly from BF16/FP16) to elements
+        ``start .. start + values.numel()``."""
+        flat = values.detach().reshape(-1)
+        end = start + flat.numel()
+        if start < 0 or end > self.numel:
+            raise IndexError(f"elements {start}..{end} outside an accumulator of {self.numel}")
+        top, limbs = self.top[start:end], self.limbs[:, start:end]
+        bins = top_bins(flat)
+        new_top = torch.maximum(top, bins)
+        shift = torch.where(top == EMPTY, torch.zeros_like(top), new_top - top).to(torch.int32)
+        kept = _drop_limbs(limbs, shift)
+        usable = (new_top != NONFINITE) & (new_top != EMPTY)
+        digits = _digits(torch.where(usable, flat.float(), torch.zeros_like(flat, dtype=torch.float32)),
+                         _grid_exponent(new_top))
+        limbs.copy_(torch.where(usable.unsqueeze(0), kept + digits, torch.zeros_like(kept)))
+        top.copy_(new_top)
+        self.counts[start] = self.counts.get(start, 0) + 1
+        if self.counts[start] > MAX_CONTRIBUTIONS:
+            raise OverflowError(f"more than {MAX_CONTRIBUTIONS} contributions to one exact sum")
+
+    def reset(self) -> None:
+        self.top.fill_(EMPTY)
+        self.limbs.zero_()
+        self.counts.clear()
+
+    def _aligned(self, top: torch.Tensor) -> torch.Tensor:
+        """This accumulator's sums on the grid of ``top`` (>= its own), as one int64 per element."""
+        shift = torch.where(self.top == EMPTY, torch.zeros_like(top), top - self.top).to(torch.int32)
+        limbs = _drop_limbs(self.limbs, shift).to(torch.int64)
+        total = limbs[0]
+        for k in range(1, LIMBS):
+            total = total + limbs[k] * (1 << (BIN * k))
+        return total
+
+    def total(self, group=None, shard: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """The exact sum over every rank of ``group`` (None: this process alone), rounded once to
+        FP32. ``shard=(rank, size)``: only this rank's ``1/size`` of the elements (a reduce-scatter;
+        ``numel`` must divide by ``size``)."""
+        distributed = group is not None and torch.distributed.get_world_size(group) > 1
+        top = self.top.clone()
+        count = torch.tensor([max(self.counts.values(), default=0)], dtype=torch.int64, device=top.device)
+        if distributed:
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        sums = torch.cat([self._aligned(top), count])
+        if distributed and shard is None:
+            torch.distributed.all_reduce(sums, group=group)
+        if shard is not None:
+            rank, size = shard
+            if self.numel % size:
+                raise ValueError(f"{self.numel} elements do not split into {size} shards")
+            piece = self.numel // size
+            if distributed:
+                # every shard carries the contribution count, so that each rank can check the bound
+                laid = torch.cat([torch.cat([p, count]) for p in sums[:-1].split(piece)])
+                mine = torch.empty(piece + 1, dtype=torch.int64, device=top.device)
+                torch.distributed.reduce_scatter_tensor(mine, laid, group=group)
+                sums = mine
+            else:
+                sums = torch.cat([sums[:-1][rank * piece:(rank + 1) * piece], count])
+            top = top[rank * piece:(rank + 1) * piece]
+        if int(sums[-1]) > MAX_CONTRIBUTIONS:
+            raise OverflowError(f"{int(sums[-1])} contributions to one exact sum across ranks "
+                                f"(at most {MAX_CONTRIBUTIONS}: the int64 sum would overflow)")
+        values = sums[:-1].double() * torch.exp2(_grid_exponent(top).double())
+        values = torch.where(top == NONFINITE, torch.full_like(values, float("nan")), values)
+        return values.float()
+
+
+def _partials(values) -> list:
+    """Non-overlapping FP64 partials whose exact sum is the exact sum of ``values`` (Shewchuk's
+    algorithm, as in Python's ``math.fsum``)."""
+    partials: list = []
+    for x in values:
+        i = 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            high = x + y
+            low = y - (high - x)
+            if low:
+                partials[i] = low
+                i += 1
+            x = high
+        partials[i:] = [x]
+    return partials
+
+
+_PARTIALS = 64  # more than FP64's exponent range can need (about 2098 / 53)
+
+
+def scalar_sum(values, group=None) -> float:
+    """The correctly rounded FP64 sum of ``values`` (Python floats) over every rank of ``group``:
+    each rank's exact partials are all-gathered and added by ``math.fsum``, so neither the order of
+    the values nor their split between ranks changes a bit. NaN if any value is NaN or infinite."""
+    import math
+
+    values = [float(v) for v in values]
+    finite = all(math.isfinite(v) for v in values)
+    parts = _partials(values) if finite else []
+    local = torch.zeros(_PARTIALS + 1, dtype=torch.float64)
+    local[0] = 0.0 if finite else 1.0
+    local[1:1 + len(parts)] = torch.tensor(parts, dtype=torch.float64)
+    rows = [local]
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        rows = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(rows, local, group=group)
+    if any(float(row[0]) for row in rows):
+        return float("nan")
+    return math.fsum(v for row in rows for v in row[1:].tolist())
