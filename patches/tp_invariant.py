@@ -958,7 +958,7 @@ PATCHES = (
                 "through the token tree); with expert parallelism (alltoall) each source DP rank's tokens one "
                 "block in the experts' GEMMs (experts: tp_invariant.tensor_parallel, tp_invariant.mlp)",
         hook=MOE_LAYER,
-
+        backend=_moe_coverage,
         targets=(
             Target(ROUTER, "Router.gating", _router_gating, kind="method", params=("self", "input")),
             Target(ROUTER, "TopKRouter.routing", _router_routing, kind="method", params=("self", "logits")),

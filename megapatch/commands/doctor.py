@@ -20,7 +20,6 @@ import contextlib
 import importlib.util
 import os
 import sys
-import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
@@ -171,7 +170,8 @@ def survey(flags: Optional[List[str]] = None) -> dict:
                               "activation": {"state": "unknown", "detail": ""},
                               "upstream_warnings": 0, "patches": [], "problems": [],
                               "flags": None if flags is None else {"argv": list(flags), "config": {},
-                                                                   "stops": [], "refusals": {}}}
+                                                                   "stops": [], "stop_causes": [],
+                                                                   "refusals": {}}}
     _, error = _guard("doctor", lambda: _survey(result))
     if error:  # a defect of doctor itself: still report what was gathered
         result["problems"].append(error)
@@ -226,10 +226,28 @@ def _survey(result: dict) -> None:
                        "would_install": False, "why": error, "untested": []}
             result["patches"].append(row)
     result["upstream_warnings"] += len(caught)
+    if settings is not None:
+        _name_who_serves(result["patches"], settings)
     if result["flags"] is not None:
         _preflight(result, {getattr(p, "name", None): p for p in patches}, settings)
     code, message = _verdict(result, strict)
     result["result"] = {"code": code, "message": message}
+
+
+def _name_who_serves(rows: List[dict], settings: options.Settings) -> None:
+    """A patch the option's value does not use, while the option asks for a change: "not
+    requested" would read as "not covered" (``tp_reduce.moe`` at ``fp32-accumulate``, whose sums the
+    collectives of ``tp_reduce.megatron_core`` carry); say which value it serves and which patches
+    serve this one."""
+    requested = settings.requested()
+    for row in rows:
+        option = row.get("option")
+        if row.get("requested") is not False or option not in requested or row["why"] != "not requested":
+            continue
+        value = options.OPTIONS_BY_NAME[option].text(requested[option])
+        serving = [r["name"] for r in rows if r.get("option") == option and r.get("requested")]
+        row["why"] = (f"not used at {option}={value} (it serves another value of {option}); {option}={value} "
+                      f"is served by {', '.join(serving) or 'no patch'}")
 
 
 def _stacks() -> dict:
@@ -240,14 +258,65 @@ def _stacks() -> dict:
             for package, (_module, specifier) in upstream_versions.STACKS_TESTED.items()}
 
 
-def _upstream_stops(config) -> List[str]:
-    """What stops the flags' job before any megapatch check could: Megatron-LM's default
-    Transformer Engine layers where TE is not installed (the rule the run applies itself where
-    megapatch is active: ``patches.cross_rank.transformer_engine_stop``)."""
-    from megapatch.patches.cross_rank import transformer_engine_stop
+_STOPS_FIRST = " (this stops the job before any megapatch check)"
 
+
+def _upstream_stop_causes(config) -> List[tuple]:
+    """``[(cause in a few words, the whole reason), ...]``: what stops the flags' job before any
+    megapatch check could. Megatron-LM's default Transformer Engine layers where TE is not
+    installed (the rule the run applies itself where megapatch is active:
+    ``patches.cross_rank.transformer_engine_stop``), and Megatron-LM core_v0.16.1's own checks of
+    MoE flags, which run before megatron-core's model-parallel state exists (``validate_args``,
+    then ``TransformerConfig.__post_init__``): megapatch never gets to refuse those jobs."""
+    from megapatch.patches.cross_rank import transformer_engine_missing, transformer_engine_stop
+
+    found = []  # in the order upstream meets them
+    experts, ep = getattr(config, "num_moe_experts", None), getattr(config, "expert_model_parallel_size", 1) or 1
+    if getattr(config, "moe_grouped_gemm", False) and not _cuda_available():
+        cause = "--moe-grouped-gemm without CUDA"
+        found.append((cause, f"{cause}: Megatron-LM's validate_args asks torch.cuda for the GPU's compute "
+                             f"capability (grouped GEMM needs >= 8.0) and fails on a machine without CUDA. "
+                             f"Leave --moe-grouped-gemm off there"))
+    if ep > 1 and (not experts or experts % ep):
+        cause = (f"--num-experts {experts} is not a multiple of --expert-model-parallel-size {ep}" if experts
+                 else f"--expert-model-parallel-size {ep} without --num-experts")
+        found.append((cause, f"{cause}: Megatron-LM's validate_args refuses it (AssertionError: \"Number of experts "
+                             f"should be a multiple of expert model parallel_size\"). Use a number of experts "
+                             f"that {ep} divides, or another --expert-model-parallel-size"))
+    if getattr(config, "moe_permute_fusion", False) and not _fused_permute_available():
+        cause = "--moe-permute-fusion without Transformer Engine"
+        found.append((cause, f"{cause}: megatron-core's TransformerConfig refuses it (ValueError: fused "
+                             f"permutation is not available. Please install TE >= 2.1.0; or an ImportError "
+                             f"of fused_permute where megatron-core has no such function). Leave "
+                             f"--moe-permute-fusion off, or install transformer-engine >= 2.1"))
     stop = transformer_engine_stop(config)
-    return [f"{stop} (this stops the job before any megapatch check)"] if stop else []
+    if stop:
+        found.append((transformer_engine_missing(config), stop))
+    return found
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 -- no torch, or a broken CUDA runtime: no GPU for upstream either
+        return False
+
+
+def _fused_permute_available() -> bool:
+    """Whether megatron-core's MoE utilities have Transformer Engine's fused permutation (upstream's
+    own record where it can be imported, else whether TE can be found)."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except Exception:  # noqa: BLE001 -- no megatron here: TE is what upstream would need
+        return importlib.util.find_spec("transformer_engine") is not None
+    return all(getattr(moe_utils, name, None) is not None for name in ("fused_permute", "fused_unpermute"))
+
+
+def _upstream_stops(config) -> List[str]:
+    """What stops the flags' job before any megapatch check could, each reason in full."""
+    return [f"{stop}{_STOPS_FIRST}" for _, stop in _upstream_stop_causes(config)]
 
 
 @contextlib.contextmanager
@@ -273,7 +342,9 @@ def _preflight(result: dict, patches: dict, settings: Optional[options.Settings]
         result["problems"].append(error)
         return
     flags["config"] = dict(vars(config))
-    flags["stops"] = _upstream_stops(config)
+    causes = _upstream_stop_causes(config)
+    flags["stops"] = [f"{stop}{_STOPS_FIRST}" for _, stop in causes]
+    flags["stop_causes"] = [cause for cause, _ in causes]
     if settings is None or result["disabled"]:
         return
     with _settings_of_the_job(settings, result["sources"]):
@@ -292,9 +363,7 @@ def _verdict(result: dict, strict: bool):
         return INVALID_ENVIRONMENT, "an invalid MEGAPATCH_* value (exit 2)"
     refusals = (result["flags"] or {}).get("refusals")
     if (result["flags"] or {}).get("stops"):
-        from megapatch.patches.cross_rank import transformer_engine_missing
-
-        cause = transformer_engine_missing(types.SimpleNamespace(**result["flags"]["config"]))
+        cause = "; ".join(result["flags"]["stop_causes"])
         also = f"; megapatch would then refuse it too ({', '.join(refusals)})" if refusals else ""
         return CANNOT_APPLY, (f"with these Megatron-LM flags the job would stop before its first step: "
                               f"{cause}{also} (exit 1)")
@@ -411,6 +480,15 @@ def _flags_lines(result: dict) -> List[str]:
     return lines
 
 
+def _coverage_lines(result: dict) -> List[str]:
+    """What each patch that would install covers and refuses (its backend line: for the MoE patches
+    the paths covered and the configurations refused at construction)."""
+    found = [(r["name"], r["backend"]) for r in result["patches"] if r["would_install"] and r["backend"]]
+    if not found:
+        return []
+    return ["", "what the patches that would install cover:"] + [f"  {name}: {text}" for name, text in found]
+
+
 def render_status(result: dict) -> str:
     lines = [f"megapatch {result['megapatch']}: what this environment would do",
              "versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in result["versions"].items()), ""]
@@ -424,6 +502,7 @@ def render_status(result: dict) -> str:
         rows.append((r["name"], requested, "yes" if r["opted_out"] else "no", r["upstream"],
                      "yes" if r["would_install"] else "no", r["why"]))
     lines += _table(("patch", "requested", "opted-out", "upstream", "would install", "why"), rows)
+    lines += _coverage_lines(result)
     activation = result["activation"]
     if activation["state"] in ("failed", "not-run"):
         lines += ["", f"activation: {activation['state']}: {activation['detail']}"]
