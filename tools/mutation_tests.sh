@@ -89,6 +89,7 @@ case $module in
     "$T/test_tp_reduce_megatron_core.py::test_a_layer_with_its_own_tp_group_is_reduced_in_fp32_over_that_group"
     "$T/test_tp_reduce_megatron_core.py::test_fp32_reductions_on_a_megatron_core_that_cannot_take_them_are_refused"
     "$T/test_moe.py::test_fp32_keeps_expert_partials_fp32_into_the_dispatcher_and_rounds_once_at_the_layer"
+    "$T/test_moe.py::test_fp32_moe_at_tp4_with_sp_and_outlier_channels_is_as_close_to_tp1_as_tp2_on_unflipped_tokens"
     "$T/test_lifecycle.py") ;;
   patches/_common.py) tests=(
     "$T/test_tp_reduce_megatron_core.py::test_a_patch_serving_an_option_applies_exactly_when_the_option_has_that_value"
@@ -214,6 +215,7 @@ case $module in
     "$T/test_moe.py::test_fp32_keeps_expert_partials_fp32_into_the_dispatcher_and_rounds_once_at_the_layer"
     "$T/test_moe.py::test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does"
     "$T/test_moe.py::test_fp32_moe_sums_make_tp_and_ep_sizes_agree_and_keep_every_expert_choice"
+    "$T/test_moe.py::test_fp32_moe_at_tp4_with_sp_and_outlier_channels_is_as_close_to_tp1_as_tp2_on_unflipped_tokens"
     "$T/test_logits_fp32_inference.py::test_fp32_logits_survive_every_inference_path_of_an_moe_model"
     "$T/test_logits_fp32_dynamic_inference.py::test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs[moe-tp2]") ;;
   megapatch/core/engine.py) tests=(

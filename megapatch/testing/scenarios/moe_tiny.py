@@ -17,7 +17,7 @@ asked, the loss and unsharded gradients.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,10 +51,10 @@ def qwen3_moe_config(tp: int, dispatcher: str = "alltoall", experts: int = 8, to
     return tiny_gpt_config(tp, **fields)
 
 
-def build(config, seed: int = 1234):
+def build(config, seed: int = 1234, vocab: int = VOCAB, seq_len: int = SEQ):
     from megapatch.testing.models.tiny_gpt import build_tiny_gpt
 
-    return build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, seed=seed, position_embedding_type="rope")
+    return build_tiny_gpt(config, vocab_size=vocab, seq_len=seq_len, seed=seed, position_embedding_type="rope")
 
 
 def _global_expert_name(name: str, first_local_expert: int) -> str:
@@ -73,11 +73,14 @@ def _shard(full: torch.Tensor, param, name: str, gated: bool, rank: int, size: i
     return full.chunk(size, dim=param.partition_dim)[rank]
 
 
-def build_full_then_shard(ctx, ep: int, config, seed: int = 1234):
+def build_full_then_shard(ctx, ep: int, config, seed: int = 1234, vocab: int = VOCAB, seq_len: int = SEQ,
+                          full_weights: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None):
     """The model at this rank's TP x EP layout holding the weights the TP=1, EP=1 model is built
     with (upstream's CPU initialisation draws expert weights from an expert-parallel RNG stream,
     so a model built at EP=2 would hold other experts): the full model is built first at TP=1,
-    then each parameter of the sharded model takes its slice (its global expert's, at EP > 1)."""
+    then each parameter of the sharded model takes its slice (its global expert's, at EP > 1).
+    ``full_weights`` may rewrite the full (TP=1) state dict in place first, e.g.
+    :func:`outlier_weights`."""
     import dataclasses
 
     from megatron.core import parallel_state
@@ -88,11 +91,13 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234):
     reinit_model_parallel(ctx, tp=1)
     full_config = dataclasses.replace(config, tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
                                       sequence_parallel=False)
-    full = {k: v.detach().clone() for k, v in build(full_config, seed).state_dict().items()
+    full = {k: v.detach().clone() for k, v in build(full_config, seed, vocab, seq_len).state_dict().items()
             if not k.endswith("_extra_state")}
+    if full_weights is not None:
+        full_weights(full)
     etp = config.expert_tensor_parallel_size or tp
     reinit_model_parallel(ctx, tp=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    model = build(config, seed)
+    model = build(config, seed, vocab, seq_len)
     local = config.num_moe_experts // ep
     first = parallel_state.get_expert_model_parallel_rank() * local
     with torch.no_grad():
@@ -103,6 +108,57 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234):
             source = full[_global_expert_name(name, first)]
             param.copy_(_shard(source, param, name, config.gated_linear_unit, rank, etp if expert else tp))
     return model
+
+
+def outlier_weights(seed: int, ffn: int):
+    """A ``full_weights`` rewrite (:func:`build_full_then_shard`) giving the model the weight
+    statistics and planted outlier channels of ``bridge_moe.build_tiny_hf_moe`` (the Qwen3-MoE of
+    results/moe_hf.md), with llama_hf's constants: norm gains 1 + 0.1 N(0, 1), every matrix
+    N(0, 1) * 0.5 / sqrt(fan-in) (seeded by ``seed``); the delimiter token carries
+    ``DELIMITER_SCALE`` in hidden dimension 0; in layer 0's MoE, neurons ``OUTLIER_NEURON`` and
+    ``ffn - OUTLIER_NEURON`` of every routed expert read it through gate and up and write
+    ``+OUTLIER_SCALE`` and ``-OUTLIER_SCALE * (1 - 1/128)`` into ``OUTLIER_DIMS``: nearly cancelling
+    partial sums on the first and the last expert-TP rank, which meet in the dispatcher's
+    reduce-scatter."""
+    import math
+
+    from megapatch.testing.scenarios import llama_hf as L
+
+    def rewrite(full: Dict[str, torch.Tensor]) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for name in sorted(full):
+            value = full[name]
+            if not value.is_floating_point():
+                continue
+            noise = torch.randn(value.shape, generator=generator)
+            norm = name.endswith("norm.weight")
+            value.copy_((1.0 if norm else 0.0) + (0.1 if norm else 0.5 / math.sqrt(value.shape[-1])) * noise)
+        full["embedding.word_embeddings.weight"][L.DELIMITER, 0] = L.DELIMITER_SCALE
+        planted = 0
+        for name, value in full.items():
+            if not name.startswith("decoder.layers.0.mlp.experts."):
+                continue
+            for neuron, scale in ((L.OUTLIER_NEURON, L.OUTLIER_SCALE),
+                                  (ffn - L.OUTLIER_NEURON, -L.OUTLIER_SCALE * (1 - 1 / 128))):
+                if name.endswith("linear_fc1.weight"):  # [gate; up]
+                    value[neuron, 0] = value[ffn + neuron, 0] = 1.0
+                    planted += 1
+                elif name.endswith("linear_fc2.weight"):
+                    value[list(L.OUTLIER_DIMS), neuron] = scale
+        if not planted:
+            raise ValueError("no routed expert in layer 0 to plant the outlier channels in")
+
+    return rewrite
+
+
+def delimited_batch(batch_seed: int, batch: int, seq_len: int, vocab: int):
+    """``make_batch``'s layout with llama_hf's delimiter token every 16 positions (from 3)."""
+    from megapatch.testing.models.tiny_gpt import make_batch
+    from megapatch.testing.scenarios import llama_hf as L
+
+    made = make_batch(seed=batch_seed, batch=batch, seq_len=seq_len, vocab=vocab)
+    made.tokens[:, 3::16] = L.DELIMITER
+    return made
 
 
 def _record_routing(model, ctx) -> list:
