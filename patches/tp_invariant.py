@@ -85,7 +85,6 @@ from megapatch.numerics import block_tree as tpi
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Patch, Target
 from megapatch.core.scope import scoped
-from megapatch.core import report, state
 from megapatch.patches._common import (LAYERS, MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant,
                                        tp_group, when)
 
@@ -426,26 +425,6 @@ def _data_parallel():
     return parallel_state.get_data_parallel_rank(), size, parallel_state.get_expert_data_parallel_group()
 
 
-DATA_PARALLEL_SUM = (
-    "megapatch tp_invariant: data-parallel size {dp}: forward passes, each data-parallel rank's "
-    "gradients and the experts' gradient sums are bit-identical across TP sizes, but the "
-    "data-parallel sum of the other gradients is upstream's (DDP's bucketed all-reduce or "
-    "reduce-scatter adds in an order that follows the bucket layout, which the TP size changes): "
-    "summed gradients, grad norms and optimizer steps are bit-identical across TP sizes at "
-    "data-parallel sizes 1 and 2 only (docs/tp_invariant.md)")
-
-
-def _say_data_parallel_sum() -> None:
-    """Once per job (rank 0): where the data-parallel size leaves the guarantee at the forward pass
-    and each rank's own gradients. A warning, not a refusal: RL's trainer-vs-rollout log-probs
-    need only the forward pass, which holds at any data-parallel size."""
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    if dp >= 3:
-        report.once("tp_invariant:data-parallel-sum", "warning", DATA_PARALLEL_SUM.format(dp=dp))
-
-
 def _own_sources(rows: int):
     """Without expert parallelism an expert sees this data-parallel rank's tokens only; with other
     data-parallel ranks their partial weight gradients are added in the tree (None: one rank)."""
@@ -723,7 +702,6 @@ def _block_init(wrapped, instance, args, kwargs):
     if _tp_group_if_initialised() is not None:
         if getattr(config, "num_moe_experts", None):
             _data_parallel()  # a data-parallel size the experts' gradient tree cannot take
-        _say_data_parallel_sum()
     result = wrapped(*args, **kwargs)
     for name, module in instance.named_modules():
         _refuse_te(module)

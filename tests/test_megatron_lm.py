@@ -793,3 +793,39 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
         assert (run.loss_hashes, run.losses, run.grad_norms) == (
             reference.loss_hashes, reference.losses, reference.grad_norms), name
         assert not tp_resume.differences(run.tensors(), tensors), name
+
+
+@pytest.mark.slow
+def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_and_pipeline_depth(checkout, tmp_path_factory):
+    """Issue 37: the Llama flags, global batch 12 of single-sequence micro-batches, clipped Adam
+    (--clip-grad 0.05: every step clipped). One run trains 3 iterations at TP 1 x DP 1, saving at
+    iteration 1; from that checkpoint the same job resumes at TP 1 x DP 1, at TP 2 x DP 3 (6 ranks:
+    4 micro-batches a rank; the loss seed and the DP sum at a size of 3) and at TP 1 x DP 2 x PP 2
+    (the grad norm added over two stages). Every resume's full-precision grad norms and final
+    checkpoint tensors (parameters, FP32 main parameters, Adam moments) equal the uninterrupted
+    run's, and its printed losses and grad norms equal the TP 1 x DP 1 resume's (a fresh run prints
+    the mean of its first two iterations' losses at iteration 2: upstream's logging). Precondition:
+    natively DP 3 and DP 1 part at the first step."""
+    from megapatch.testing.scenarios import layouts
+
+    _tp_invariant_revision(checkout)
+    work = tmp_path_factory.mktemp("layouts")
+    env = {"MEGAPATCH_TP_INVARIANT": "1"}
+    others = [layouts.Layout(tp=2, dp=3), layouts.Layout(dp=2, pp=2)]
+    runs = layouts.experiment(checkout[1], work / "invariant", env, [layouts.Layout(), *others],
+                              probe=PROBE, label="invariant", timeout=TIMEOUT)
+    full, same = runs["full"], runs[layouts.Layout().label]
+    assert sorted(full.losses) == [1, 2, 3] and len(full.exact_norms) == 3, full.run.tail()
+    reference = full.tensors()
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in reference)
+    assert sorted(same.losses) == [2, 3] and same.exact_norms == full.exact_norms[1:], same.run.tail()
+    for layout in [layouts.Layout(), *others]:
+        run = runs[layout.label]
+        assert run.run.log.count("megapatch enabled:") == 1, run.run.tail()
+        assert (run.losses, run.grad_norms, run.exact_norms) == (same.losses, same.grad_norms, same.exact_norms), \
+            layout
+        assert layouts.tp_resume.differences(reference, run.tensors()) == {}, layout
+    native = {dp: layouts.train(checkout[1], work / "native", layouts.Layout(dp=dp), {}, probe=PROBE, iters=1,
+                                label="native", timeout=TIMEOUT) for dp in (1, 3)}
+    assert native[1].exact_norms != native[3].exact_norms
+    assert layouts.tp_resume.differences(native[1].tensors(), native[3].tensors())

@@ -242,7 +242,6 @@ class _Warnings(logging.Handler):
 
 def _job(ctx):
     import megapatch
-    from megapatch.core import report
     from megapatch.testing import reinit_model_parallel
 
     out = {}
@@ -251,7 +250,6 @@ def _job(ctx):
     for tp in TPS:
         ctx = reinit_model_parallel(ctx, tp=tp)
         megapatch.enable(tp_invariant=True)
-        report._said.discard("tp_invariant:data-parallel-sum")  # (once per job: here once per TP size)
         warnings.messages.clear()
         for name, shape in MODELS.items():
             out[("invariant", name, tp)] = _train(ctx, shape)
@@ -294,17 +292,11 @@ def _differing(a, b):
 
 
 @pytest.mark.parametrize("tp", TPS)
-def test_a_data_parallel_size_of_3_or_more_is_said_to_leave_the_gradient_sum_upstreams(runs, tp):
-    """World 8: TP 1 and 2 run at data-parallel sizes 8 and 4, where DDP's sum of the ranks'
-    gradients is upstream's and its order follows the bucket layout: rank 0 says so once, with the
-    size; at DP 2 and 1 nothing is said."""
-    from megapatch.patches.tp_invariant import DATA_PARALLEL_SUM
-
-    said = runs[("data-parallel warnings", tp)]
-    dp = 8 // tp
-    assert said == ([DATA_PARALLEL_SUM.format(dp=dp)] if dp >= 3 else []), said
-    if dp >= 3:
-        assert f"data-parallel size {dp}:" in said[0] and "data-parallel sizes 1 and 2 only" in said[0]
+def test_no_data_parallel_size_is_said_to_leave_the_gradient_sum_upstreams(runs, tp):
+    """World 8: TP 1 and 2 run at data-parallel sizes 8 and 4. The mode's own data-parallel sum
+    (tp_invariant.data_parallel, exact whatever the order) replaced the warning that DDP's sum
+    there was upstream's: nothing about the data-parallel size is said at any size."""
+    assert runs[("data-parallel warnings", tp)] == []
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

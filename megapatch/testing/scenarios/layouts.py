@@ -99,3 +99,26 @@ def differences(a: LayoutRun, b: LayoutRun) -> Dict[str, object]:
             found[what] = (getattr(a, what), getattr(b, what))
     found.update(tp_resume.differences(a.tensors(), b.tensors()))
     return found
+
+
+def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: Sequence[Layout], *,
+               probe: str, base: Layout = Layout(), save_at: int = 1, iters: int = 3,
+               global_batch: int = 12, extra: Sequence[str] = (), label: str = "run",
+               start: Optional[Path] = None, timeout: float = 600.0) -> Dict[str, LayoutRun]:
+    """``full``: ``iters`` iterations at ``base``, saving at ``save_at`` (Megatron-LM seeds each
+    pipeline stage's initial weights differently, so layouts are compared from one checkpoint);
+    ``<layout label>``: resumed from that checkpoint (or ``start``) to ``iters`` at each layout."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs: Dict[str, LayoutRun] = {}
+    if start is None:
+        runs["full"] = train(checkout, workdir, base, env, probe=probe, iters=iters, global_batch=global_batch,
+                             extra=extra, label=f"{label}-full", save_interval=save_at, timeout=timeout)
+        start = runs["full"].checkpoint.parent
+    for layout in layouts:
+        source = workdir / f"{label}-start-{layout.label}"
+        shutil.copytree(start / f"iter_{save_at:07d}", source / f"iter_{save_at:07d}")
+        (source / "latest_checkpointed_iteration.txt").write_text(str(save_at))
+        runs[layout.label] = train(checkout, workdir, layout, env, probe=probe, iters=iters,
+                                   global_batch=global_batch, extra=extra, label=label, load=source,
+                                   timeout=timeout)
+    return runs
