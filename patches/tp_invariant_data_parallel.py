@@ -36,7 +36,6 @@ import functools
 
 import torch
 
-from megapatch.core import state
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Patch, Target
 from megapatch.numerics import block_tree as tpi
