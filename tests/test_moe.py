@@ -134,6 +134,9 @@ def test_fp32_moe_at_tp4_with_sp_and_outlier_channels_is_as_close_to_tp1_as_tp2_
     for mode in ("native", "fp32"):
         for tp in (2, 4):
             found = [_unflipped_kl(runs[tp][(*v, mode)], runs[1][(*v, mode)]) for v in OUTLIER_VARIANTS]
+            for v, (k, f) in zip(OUTLIER_VARIANTS, found):
+                print(f"variant {v} {mode} TP{tp}: unflipped-token KL(TP1 || TP{tp}) {k:.2e}, expert choices "
+                      f"changed {f:.2%}")
             kl[(mode, tp)] = sum(k for k, _ in found) / len(found)
             flips[(mode, tp)] = sum(f for _, f in found) / len(found)
     print({k: f"KL {v:.2e}, flips {flips[k]:.2%}" for k, v in kl.items()})
