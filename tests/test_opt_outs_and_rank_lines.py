@@ -125,17 +125,21 @@ def test_strict_enable_takes_the_opt_out_its_own_message_suggests_for_a_moved_up
 
 
 def test_an_opt_out_given_before_megatron_is_imported_installs_nothing_of_that_patch():
+    """The opted-out ``tp_reduce.megatron_core`` shares its hook module (megatron.core.tensor_parallel)
+    with the FP32-logits patches, whose import installs them: it must stay out, and
+    ``tp_reduce.moe``, which builds on it, too."""
     result = run_python("""
         import megapatch
-        megapatch.enable(tp_reduce_dtype="fp32", skip_patches="tp_reduce.moe")
-        from megatron.core.transformer.moe import moe_layer, token_dispatcher
+        megapatch.enable(tp_reduce_dtype="fp32", logits_dtype="fp32", skip_patches="tp_reduce.megatron_core")
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.moe import moe_layer
         status = megapatch.status()
-        print(status.patch("tp_reduce.moe").state, status.patch("tp_reduce.megatron_core").state)
-        print(hasattr(moe_layer.MoELayer.__init__, "__wrapped__"),
-              hasattr(token_dispatcher.MoEAlltoAllTokenDispatcher.combine_preprocess, "__wrapped__"))
+        print(*(status.patch(name).state for name in
+                ("tp_reduce.megatron_core", "tp_reduce.moe", "logits.fp32_output_layer")))
+        print(hasattr(moe_layer.MoELayer.__init__, "__wrapped__"))
         """)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["opted-out", "active", "False", "False"], result.stdout
+    assert result.stdout.split() == ["opted-out", "opted-out", "active", "False"], result.stdout
 
 
 def test_the_activation_line_names_patches_pending_import():
