@@ -22,6 +22,7 @@ MOE_AND_QK_NORM=(
     "$T/test_tp_invariant.py::test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size"
     "$T/test_tp_invariant.py::test_a_qk_norm_whose_head_count_the_width_cannot_cut_is_refused_naming_both"
     "$T/test_tp_invariant_mutants.py"
+    "$T/test_moe_preflight.py"
     "$T/test_tp_invariant_moe.py")
 case $module in
   megapatch/numerics/block_tree.py) tests=(
@@ -158,6 +159,7 @@ case $module in
     "$T/test_doctor.py::test_doctor_reports_versions_and_patches") ;;
   megapatch/core/startup.py) tests=(
     "$T/test_startup_hook.py"
+    "$T/test_opt_outs_and_rank_lines.py::test_megatron_imported_before_the_startup_hook_with_wrapt_missing_stops_the_process"
     "$T/test_worker_processes.py"
     "$T/test_activation.py"
     "$T/test_hardening_engine.py::test_environment_activation_with_a_bad_kill_switch_stops_the_megatron_process"
@@ -207,6 +209,7 @@ case $module in
     "$T/test_moe.py::test_the_moe_patch_is_installed_for_fp32_only"
     "$T/test_moe.py::test_the_dispatcher_wrappers_read_the_expert_outputs_by_position_or_keyword"
     "$T/test_moe.py::test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute"
+    "$T/test_moe_preflight.py::test_the_probe_refuses_an_alltoall_combine_that_no_longer_casts_by_the_probabilities"
     "$T/test_moe.py::test_status_names_the_moe_paths_covered_and_refused"
     "$T/test_moe.py::test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it"
     "$T/test_hardening_engine.py::test_skip_patches_argument_removes_an_installed_patch"
@@ -235,6 +238,7 @@ case $module in
     "$T/test_doctor.py::test_an_exception_from_a_probe_becomes_a_row"
     "$T/test_doctor.py::test_an_exception_from_a_backend_probe_or_applies_becomes_a_row"
     "$T/test_doctor.py::test_the_preflight_leaves_out_patches_the_user_opted_out_of"
+    "$T/test_opt_outs_and_rank_lines.py"
     "$T/test_activation.py::test_disable_variable_wins_over_requests"
     "$T/test_activation.py::test_explicit_enable_in_the_script_wins_over_the_environment"
     "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch"
@@ -293,6 +297,7 @@ case $module in
     "$T/test_lifecycle.py::test_changed_upstream_surface_is_skipped_with_a_warning_when_not_strict"
     "$T/test_versions.py::test_status_shows_each_patchs_range"
     "$T/test_rank_errors.py"
+    "$T/test_opt_outs_and_rank_lines.py"
     "$T/test_hardening_engine.py::test_activation_line_reaches_stderr_without_any_logging_configuration"
     "$T/test_hardening_engine.py::test_activation_line_goes_to_the_applications_handlers_once_it_has_some"
     "$T/test_hardening_engine.py::test_the_level_megapatch_set_is_undone_once_the_application_configures_logging"
