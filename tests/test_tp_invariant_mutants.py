@@ -12,6 +12,8 @@ One 4-rank job runs TP=2 with two data-parallel replicas holding different value
 wrong group is caught) and sizes that TP does not divide.
 """
 
+import math
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
@@ -707,8 +709,8 @@ class DistributedOptimizer(SimpleNamespace):
 
 def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_order(invariant):
     """DP 1: ``_distributed_grads`` yields every parameter with its gradient viewed from the grad
-    buffer in buffer order (not the map's order), and the grad norm sums them as sharded or
-    replicated gradients like the non-distributed optimizer's."""
+    buffer in buffer order (not the map's order), and the grad norm adds their squares (sharded or
+    replicated) exactly, like the non-distributed optimizer's."""
     from megapatch.core.scope import scoped
     from megapatch.patches import tp_invariant as patch
 
@@ -727,7 +729,7 @@ def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_
     optimizer.tp_group = StandInGroup(1)
     with scoped(patch._norm_owner, optimizer):
         norm = patch._grad_norm_fp32(None, None, ([], 2.0, None), {})
-    assert norm == (torch.tensor(4 * BIG) + _norm_oracle(_norm_grad(0), 0)).item() ** 0.5
+    assert norm == _exact_norm([torch.tensor(4 * BIG), _norm_oracle(_norm_grad(0), 0)])
 
 
 # -- TP=2 with two data-parallel replicas (world 4) ------------------------------------------------
@@ -769,7 +771,7 @@ def _tp2_job(ctx):
     y = tpi.ColumnParallel.apply(x, weight, None, group, True, tpi.blocks_per_rank(group), None, 1)
     y.backward(_signs((2, 16), 41)[:, r * 16 // t:(r + 1) * 16 // t])
     out["dgrad"] = x.grad
-    # the patch's grad norm: parameters in order, a shared one and a missing grad skipped
+    # the patch's grad norm: every parameter's square added exactly, a shared one and a missing grad skipped
     params = [_param(_norm_grad(0), 0, ctx), _param(torch.full((2, 2), 4096.0), None, ctx),
               _param(_small((3, 16), 42), 1, ctx), _param(torch.full((2,), 1000.0), None, ctx, shared=True),
               _param(_small((4,), 43), None, ctx)]
@@ -905,14 +907,21 @@ def test_column_dgrad_summed_over_tp_is_the_fixed_tree(tp2):
 
 
 @pytest.mark.quick("tp_invariant.grad_norm")
-def test_the_patched_grad_norm_adds_parameters_in_order_and_skips_shared_ones(tp2):
+def _exact_norm(squares):
+    """The norm the mode promises: the square root of the exact sum of the parameters' FP32
+    squares, rounded once (independent of their order and of the pipeline's cut)."""
+    return math.sqrt(float(sum(Fraction(float(v)) for v in squares)))
+
+
+def test_the_patched_grad_norm_adds_parameters_exactly_and_skips_shared_ones(tp2):
     totals = [_norm_oracle(_norm_grad(0), 0), torch.tensor(4 * BIG),
               _tree([torch.tensor(float((b ** 2).sum())) for b in _small((3, 16), 42).split(2, dim=1)])]
-    total = torch.zeros((), dtype=torch.float32)
+    in_order = torch.zeros((), dtype=torch.float32)
     for value in totals:
-        total = total + value
+        in_order = in_order + value
+    assert in_order.item() ** 0.5 != _exact_norm(totals)  # the planted squares make an FP32 sum visible
     for out in tp2:
-        assert out["grad_norm"] == total.item() ** 0.5, (out["grad_norm"], total.item() ** 0.5)
+        assert out["grad_norm"] == _exact_norm(totals), (out["grad_norm"], _exact_norm(totals))
 
 
 def test_vocab_parallel_cross_entropy_is_tp_invariant_and_matches_a_float64_oracle(tp2):
