@@ -258,7 +258,14 @@ def test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does(extra, refused
 
 
 @pytest.mark.quick("tp_reduce.moe")
-def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute(monkeypatch):
+@pytest.mark.parametrize("cast, renamed, where", [
+    ("self.local_probs.dtype", "self.probs_dtype", "MoEAllGatherTokenDispatcher.token_combine"),
+    # the allgather dispatcher's cast is not the only one the FP32 swap relies on: an alltoall
+    # combine casting by another attribute would round the FP32 partials silently
+    ("self.probs.dtype", "self.hidden_shape_dtype", "MoEAlltoAllTokenDispatcher.combine_preprocess"),
+])
+def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute(monkeypatch, cast,
+                                                                                     renamed, where):
     import inspect
 
     from megapatch.patches import tp_reduce_moe
@@ -266,10 +273,9 @@ def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attr
     _needs_fp32_reductions()
     assert tp_reduce_moe._probe() is None
     original = inspect.getsource
-    monkeypatch.setattr(inspect, "getsource",
-                        lambda obj: original(obj).replace("self.local_probs.dtype", "self.probs_dtype"))
+    monkeypatch.setattr(inspect, "getsource", lambda obj: original(obj).replace(cast, renamed))
     reason = tp_reduce_moe._probe()
-    assert reason is not None and "MoEAllGatherTokenDispatcher.token_combine" in reason, reason
+    assert reason is not None and where in reason, reason
 
 
 def test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it():

@@ -270,23 +270,6 @@ def test_a_data_parallel_size_that_is_not_a_power_of_two_is_refused_naming_the_s
     assert "--tensor-model-parallel-size" in message, message
 
 
-# -- the alltoall combine's cast ---------------------------------------------------------------------
-
-def test_the_probe_refuses_an_alltoall_combine_that_no_longer_casts_by_the_probabilities(monkeypatch):
-    """The allgather dispatcher's cast is not the only one the FP32 swap relies on: an alltoall
-    combine casting by another attribute would round the FP32 partials silently."""
-    import inspect
-
-    from megapatch.patches import tp_reduce_moe
-
-    assert tp_reduce_moe._probe() is None
-    original = inspect.getsource
-    monkeypatch.setattr(inspect, "getsource",
-                        lambda obj: original(obj).replace("self.probs.dtype", "self.hidden_shape_dtype"))
-    reason = tp_reduce_moe._probe()
-    assert reason is not None and "MoEAlltoAllTokenDispatcher.combine_preprocess" in reason, reason
-
-
 # -- the router's token blocks without sequence parallelism and on uneven sequences ----------------
 
 SEQ, BATCH, EXPERTS = 16, 2, 3
