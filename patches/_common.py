@@ -3,12 +3,14 @@ Functions, a layer's tensor-parallel group, and the decision whether a TP sum ru
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 from torch.distributed import distributed_c10d as c10d
 
 from megapatch.core import cross_rank, state
+from megapatch.core.registry import Patch
 from megapatch.numerics.dtypes import LOW_PRECISION
 
 # Versions each patch was tested on (``Patch.supports``): the matrix re-runs them
@@ -68,3 +70,30 @@ def refuse_tp_invariant(what: str, why: str):
     raise UnsupportedConfigurationError(
         f"megapatch tp_invariant=True does not support {what}: {why}. tp_invariant was set by "
         f"{state.origin('tp_invariant')}.")
+
+
+_TP_INVARIANT_VERIFIED_FROM = "0.16"
+
+
+def tp_invariant_verified_upstream():
+    """The guarantee rests on upstream arithmetic the surface check cannot see whole: the version
+    matrix found Llama- and Qwen-shaped models not bit-identical across TP sizes under the mode on
+    megatron-core 0.14.0 (GPT-shaped ones were), with every target's surface accepted. So releases
+    before the first verified one are refused, not run with a warning; an unknown version (a
+    source checkout without metadata) is left to the surface check."""
+    from megapatch.core.upstream_versions import in_range, version_of
+
+    first = _TP_INVARIANT_VERIFIED_FROM
+    version = version_of("megatron-core")
+    if version is not None and not in_range(version, f">={first}.0a0"):  # its pre-releases too
+        return (f"tp_invariant is verified on megatron-core >= {first} only, and {version} is "
+                f"installed: on 0.14.0 Llama-shaped models were not bit-identical across TP sizes under "
+                f"the mode, so an older release is refused rather than run without the guarantee")
+    return None
+
+
+#: a patch serving tp_invariant=True: the guarantee needs every one of them (no opt-out), and every
+#: one refuses the releases the mode is not verified on
+tp_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=when("tp_invariant", True),
+                                       guarantee=True, supports=MEGATRON_CORE_TP_INVARIANT_TESTED,
+                                       probe=tp_invariant_verified_upstream)

@@ -83,10 +83,10 @@ import torch
 from megapatch.numerics import block_shapes, exact_sum, fp32_output_linear
 from megapatch.numerics import block_tree as tpi
 from megapatch.core.call_args import argument
-from megapatch.core.registry import Patch, Target
+from megapatch.core.registry import Target
 from megapatch.core.scope import scoped
-from megapatch.patches._common import (LAYERS, MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant,
-                                       tp_group, when)
+from megapatch.patches._common import (LAYERS, refuse_tp_invariant, tp_group, tp_invariant_patch,
+                                       tp_invariant_verified_upstream)
 
 CROSS_ENTROPY = "megatron.core.tensor_parallel.cross_entropy"
 MLP = "megatron.core.transformer.mlp"
@@ -882,29 +882,8 @@ def _optimizers(owner):
     return list(getattr(owner, "chained_optimizers", None) or [owner])
 
 
-_VERIFIED_FROM = "0.16"
-
-
-def _verified_upstream():
-    """The guarantee rests on upstream arithmetic the surface check cannot see whole: the version
-    matrix found Llama- and Qwen-shaped models not bit-identical across TP sizes under the mode on
-    megatron-core 0.14.0 (GPT-shaped ones were), with every target's surface accepted. So releases
-    before the first verified one are refused, not run with a warning; an unknown version (a
-    source checkout without metadata) is left to the surface check."""
-    from megapatch.core.upstream_versions import in_range, version_of
-
-    version = version_of("megatron-core")
-    if version is not None and not in_range(version, f">={_VERIFIED_FROM}.0a0"):  # its pre-releases too
-        return (f"tp_invariant is verified on megatron-core >= {_VERIFIED_FROM} only, and {version} is "
-                f"installed: on 0.14.0 Llama-shaped models were not bit-identical across TP sizes under "
-                f"the mode, so an older release is refused rather than run without the guarantee")
-    return None
-
-
-# every patch here serves tp_invariant=True, and the guarantee needs all of them (no opt-out)
-_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=when("tp_invariant", True),
-                                     guarantee=True, supports=MEGATRON_CORE_TP_INVARIANT_TESTED,
-                                     probe=_verified_upstream)
+_verified_upstream = tp_invariant_verified_upstream
+_invariant_patch = tp_invariant_patch
 
 PATCHES = (
     _invariant_patch(

@@ -28,10 +28,10 @@ from __future__ import annotations
 import functools
 
 from megapatch.core.call_args import argument
-from megapatch.core.registry import Patch, Target
+from megapatch.core.registry import Target
 from megapatch.numerics import block_tree as tpi
 from megapatch.numerics import exact_sum
-from megapatch.patches._common import MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant, when
+from megapatch.patches._common import refuse_tp_invariant, tp_invariant_patch
 
 DDP = "megatron.core.distributed.distributed_data_parallel"
 BUFFER = "megatron.core.distributed.param_and_grad_buffer"
@@ -125,11 +125,8 @@ def _start_grad_sync(wrapped, instance, args, kwargs):
     return None
 
 
-_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=when("tp_invariant", True),
-                                     guarantee=True, supports=MEGATRON_CORE_TP_INVARIANT_TESTED)
-
 PATCHES = (
-    _invariant_patch(
+    tp_invariant_patch(
         name="tp_invariant.data_parallel",
         summary="exact data-parallel gradient sum (integer bins, order-independent): summed gradients "
                 "independent of the DP size, the bucket layout, the pipeline depth and the collective",

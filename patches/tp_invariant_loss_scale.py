@@ -16,13 +16,12 @@ on the layout either.
 
 from __future__ import annotations
 
-
 import torch
 
 from megapatch.core.call_args import argument
-from megapatch.core.registry import Patch, Target
+from megapatch.core.registry import Target
 from megapatch.numerics import block_tree as tpi
-from megapatch.patches._common import MEGATRON_CORE_TP_INVARIANT_TESTED, when
+from megapatch.patches._common import tp_invariant_patch
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
@@ -114,15 +113,11 @@ def _rescale_auxiliary_losses(config, moe_scale: float, mtp_scale: float) -> Non
 
 
 PATCHES = (
-    Patch(
+    tp_invariant_patch(
         name="tp_invariant.loss_scale",
-        option="tp_invariant",
         summary="the loss gradient's layout-dependent scale (1 / tokens x micro-batches x DP) applied "
                 "once, as one FP32 value; the loss report summed exactly",
         hook=SCHEDULES,
-        applies=when("tp_invariant", True),
-        guarantee=True,
-        supports=MEGATRON_CORE_TP_INVARIANT_TESTED,
         targets=(
             Target(SCHEDULES, "forward_step_calc_loss", _forward_step_calc_loss,
                    params=("model", "output_tensor", "loss_func", "config", "vp_stage",

@@ -429,6 +429,10 @@ def test_releases_before_the_verified_one_are_refused_naming_both(monkeypatch):
         if refused:
             assert f"megatron-core >= 0.16 only, and {version} is installed" in reason
     assert all(p.probe is patch._verified_upstream for p in patch.PATCHES)
+    from megapatch.patches import tp_invariant_data_parallel, tp_invariant_loss_scale
+
+    for module in (tp_invariant_data_parallel, tp_invariant_loss_scale):  # the mode's layout patches too
+        assert all(p.probe is patch._verified_upstream for p in module.PATCHES), module.__name__
 
 
 def test_several_distributed_optimizer_instances_are_refused_before_it_is_built():
