@@ -1,6 +1,6 @@
-"""``tp_invariant``'s data-parallel sum and loss scaling: the summed gradient does not depend on the
-bucket layout, the TP size, the data-parallel size, the pipeline depth or the collective's
-algorithm (``megapatch.numerics.exact_sum``).
+"""``tp_invariant``'s data-parallel sum: the summed gradient does not depend on the bucket layout,
+the TP size, the data-parallel size, the pipeline depth or the collective's algorithm
+(``megapatch.numerics.exact_sum``).
 
 Upstream (core_v0.16.1, ``distributed/``): DDP's backward hook adds each micro-batch's gradient to
 the FP32 ``main_grad`` buffer (``main_grad.add_(grad)``), and when a bucket is ready its
@@ -94,8 +94,7 @@ def _start_grad_sync(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     if instance.grad_reduce_handle is not None:  # already summed (overlap: the last grad was ready)
         return None
-    missing = [p for p in instance.params if not getattr(p, _DEPOSITED, False)]
-    if missing:
+    if not all(getattr(p, _DEPOSITED, False) for p in instance.params):
         refuse_tp_invariant("a DistributedDataParallel model built before tp_invariant was switched on",
                             "its backward hooks add gradients in upstream's order; switch the mode on "
                             "before the model is wrapped (MEGAPATCH_TP_INVARIANT=1 always is)")

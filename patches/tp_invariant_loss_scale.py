@@ -75,7 +75,11 @@ def _forward_step_calc_loss(wrapped, instance, args, kwargs):
         cp = parallel_state.get_context_parallel_world_size()
     dp = _data_parallel_size()
     per_token = getattr(config, "calculate_per_token_loss", False)
-    scale = (float(config.grad_scale_func(torch.ones(1)).item()) if config.grad_scale_func is not None else 1.0)
+    # the loss scale as upstream reads it (a tensor on the loss's device: on a GPU the scaler's is CUDA)
+    device = argument(args, kwargs, 1, "output_tensor").device
+    scale = (float(config.grad_scale_func(torch.ones(1, device=device)).item())
+             if config.grad_scale_func is not None else 1.0)
+    per_microbatch = _fp32(_fp32(cp / (microbatches * dp)) * scale)  # legacy losses and MoE aux losses
 
     def seeded(output_tensor):
         outputs = loss_func(output_tensor)
@@ -86,7 +90,7 @@ def _forward_step_calc_loss(wrapped, instance, args, kwargs):
             seed = _fp32(1.0 / (max(int(tokens), 1) * microbatches * dp))
             return _Seed.apply(loss, _fp32(seed * scale)), tokens, _exact_report(report)
         loss, report = outputs
-        return _Seed.apply(loss, _fp32(_fp32(cp / (microbatches * dp)) * scale)), _exact_report(report)
+        return _Seed.apply(loss, per_microbatch), _exact_report(report)
 
     if len(args) > 2:
         args = args[:2] + (seeded,) + args[3:]
@@ -94,8 +98,7 @@ def _forward_step_calc_loss(wrapped, instance, args, kwargs):
         kwargs = {**kwargs, "loss_func": seeded}
     result = wrapped(*args, **kwargs)
     if not per_token:
-        _rescale_auxiliary_losses(config, _fp32(_fp32(cp / (microbatches * dp)) * scale),
-                                  _fp32(_fp32(1.0 / (microbatches * dp)) * scale))
+        _rescale_auxiliary_losses(config, per_microbatch, _fp32(_fp32(1.0 / (microbatches * dp)) * scale))
     return result
 
 

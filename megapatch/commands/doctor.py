@@ -314,9 +314,13 @@ def _fused_permute_available() -> bool:
     return all(getattr(moe_utils, name, None) is not None for name in ("fused_permute", "fused_unpermute"))
 
 
+def _stop_lines(causes: List[tuple]) -> List[str]:
+    return [f"{stop}{_STOPS_FIRST}" for _, stop in causes]
+
+
 def _upstream_stops(config) -> List[str]:
     """What stops the flags' job before any megapatch check could, each reason in full."""
-    return [f"{stop}{_STOPS_FIRST}" for _, stop in _upstream_stop_causes(config)]
+    return _stop_lines(_upstream_stop_causes(config))
 
 
 @contextlib.contextmanager
@@ -343,7 +347,7 @@ def _preflight(result: dict, patches: dict, settings: Optional[options.Settings]
         return
     flags["config"] = dict(vars(config))
     causes = _upstream_stop_causes(config)
-    flags["stops"] = [f"{stop}{_STOPS_FIRST}" for _, stop in causes]
+    flags["stops"] = _stop_lines(causes)
     flags["stop_causes"] = [cause for cause, _ in causes]
     if settings is None or result["disabled"]:
         return

@@ -2,7 +2,8 @@
 global batch per step at several (TP, DP, PP, micro-batch size) layouts, saving a ``torch_dist``
 checkpoint at the end; the runs are compared in their printed losses and grad norms, the
 full-precision grad norms the test probe records, and every tensor of the final checkpoint
-(parameters, FP32 main parameters, Adam moments) read back at its global shape.
+(parameters, FP32 main parameters, Adam moments) read back at its global shape
+(``tp_resume.differences``).
 
 Nothing here imports torch at module level; each run is a ``torchrun`` job.
 """
@@ -88,17 +89,6 @@ def train(checkout: Path, workdir: Path, layout: Layout, env: Mapping[str, str],
              if norms_file.is_file() else [])
     return LayoutRun(layout, run, run.losses, {int(i): v for i, v in _GRAD_NORM.findall(run.log)}, exact,
                      save / f"iter_{iters:07d}")
-
-
-def differences(a: LayoutRun, b: LayoutRun) -> Dict[str, object]:
-    """What differs between two runs: printed losses, printed and exact grad norms, and every
-    checkpoint tensor that is not bit-identical (``{key: max |a - b|}``)."""
-    found: Dict[str, object] = {}
-    for what in ("losses", "grad_norms", "exact_norms"):
-        if getattr(a, what) != getattr(b, what):
-            found[what] = (getattr(a, what), getattr(b, what))
-    found.update(tp_resume.differences(a.tensors(), b.tensors()))
-    return found
 
 
 def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: Sequence[Layout], *,
