@@ -831,20 +831,32 @@ def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_and_pipeline_
 def test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3(checkout, tmp_path_factory):
     """Issue 37, the fast check: one clipped Adam step of the Llama flags on a global batch of 12
     single-sequence micro-batches at DP 1 (12 micro-batches) and DP 3 (4 a rank: the loss seed's
-    1/3 and a three-rank sum): under the mode the full-precision grad norm and every checkpoint
-    tensor are bit-identical; natively they are not (the comparison can fail)."""
+    1/3 and a three-rank sum), and at DP 3 with the distributed optimizer (the sum reduce-scattered
+    into each rank's shard): under the mode the full-precision grad norm and every parameter are
+    bit-identical (and every checkpoint tensor between the two plain runs); natively DP 1 and 3 are
+    not (the comparison can fail). Oracle for the sum itself: the mode's norm is native's to 1e-4
+    (a sum left out, scaled twice or summed over the wrong ranks is not)."""
     from megapatch.testing.scenarios import layouts
 
     _tp_invariant_revision(checkout)
     work = tmp_path_factory.mktemp("layouts-first-step")
+    distopt = ("--use-distributed-optimizer",)
     found = {}
     for mode, env in (("invariant", {"MEGAPATCH_TP_INVARIANT": "1"}), ("native", {})):
-        for dp in (1, 3):
-            found[mode, dp] = layouts.train(checkout[1], work / mode, layouts.Layout(dp=dp), env, probe=PROBE,
-                                            iters=1, label=mode, timeout=TIMEOUT)
-            assert len(found[mode, dp].exact_norms) == 1, found[mode, dp].run.tail()
-    assert found["invariant", 1].exact_norms == found["invariant", 3].exact_norms
-    assert found["invariant", 1].losses == found["invariant", 3].losses
-    assert layouts.tp_resume.differences(found["invariant", 1].tensors(), found["invariant", 3].tensors()) == {}
-    assert found["native", 1].exact_norms != found["native", 3].exact_norms
-    assert layouts.tp_resume.differences(found["native", 1].tensors(), found["native", 3].tensors())
+        for dp, extra in ((1, ()), (3, ())) + (((3, distopt),) if mode == "invariant" else ()):
+            found[mode, dp, extra] = layouts.train(checkout[1], work / mode, layouts.Layout(dp=dp), env,
+                                                   probe=PROBE, iters=1, extra=extra, timeout=TIMEOUT,
+                                                   label=f"{mode}{'-distopt' if extra else ''}")
+            assert len(found[mode, dp, extra].exact_norms) == 1, found[mode, dp, extra].run.tail()
+    one, three, sharded = found["invariant", 1, ()], found["invariant", 3, ()], found["invariant", 3, distopt]
+    assert one.exact_norms == three.exact_norms == sharded.exact_norms
+    assert one.losses == three.losses == sharded.losses
+    assert layouts.tp_resume.differences(one.tensors(), three.tensors()) == {}
+    parameters = {k: v for k, v in one.tensors().items() if not k.startswith("optimizer.")}
+    assert len(parameters) >= 9  # embedding, output layer, final norm, six per-layer stacks
+    assert layouts.tp_resume.differences(
+        parameters, {k: v for k, v in sharded.tensors().items() if k in parameters}) == {}
+    native_norm = float.fromhex(found["native", 1, ()].exact_norms[0])
+    assert abs(float.fromhex(one.exact_norms[0]) - native_norm) <= 1e-4 * native_norm, (one.exact_norms, native_norm)
+    assert found["native", 1, ()].exact_norms != found["native", 3, ()].exact_norms
+    assert layouts.tp_resume.differences(found["native", 1, ()].tensors(), found["native", 3, ()].tensors())
