@@ -26,8 +26,11 @@ JOBS = [
 def ray_jobs():
     env = environ_without_megapatch()
     env.update(PYTHONWARNINGS="ignore", RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0")
-    result = subprocess.run([sys.executable, "-m", "megapatch.testing.scenarios.ray_actors", json.dumps(JOBS)],
-                            env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    try:  # inside pytest's 600-s timeout, so a hung cluster shows its own output
+        result = subprocess.run([sys.executable, "-m", "megapatch.testing.scenarios.ray_actors", json.dumps(JOBS)],
+                                env=env, capture_output=True, text=True, timeout=540, cwd=REPO)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the Ray scenario did not finish in 540 s:\n{hung.stdout}\n{hung.stderr}")
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
     line = [row for row in result.stdout.splitlines() if row.startswith("RESULT ")]
     assert len(line) == 1, result.stdout[-3000:]

@@ -21,9 +21,11 @@ import os
 import socket
 import sys
 import tempfile
+from datetime import timedelta
 from typing import Any, Dict, List
 
 WORLD = 2
+GROUP_TIMEOUT_S = 120  # gloo's default is 30 minutes: a rank whose peer never came would outlive the test
 
 
 def _free_port() -> int:
@@ -43,8 +45,11 @@ class MegatronRank:
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         torch.set_num_threads(1)
+        try:  # env:// from runtime_env; a bounded wait, so a broken group is reported instead of hanging
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 -- the job never started; the driver runs it once more
+            return {"rank": rank, "status": "no-group", "error": f"{type(exc).__name__}: {exc}"}
         try:
-            dist.init_process_group("gloo", rank=rank, world_size=world)  # env:// from runtime_env
             with cpu_workarounds():  # labelled CPU stand-ins (megapatch.testing.stand_ins.cpu_compat)
                 return self._step(rank, world)
         except Exception as exc:  # noqa: BLE001 -- reported to the driver as the rank's outcome
@@ -79,6 +84,27 @@ class MegatronRank:
                 "settings": {k: str(v) for k, v in status.settings.items()}, "pid": os.getpid()}
 
 
+def _run_job(actor_class: Any, job: Dict[str, Any]) -> List[Dict[str, Any]]:
+    import ray
+
+    port = _free_port()
+    actors = []
+    for rank, extra in enumerate(job["env"]):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(job["env"])),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONWARNINGS": "ignore", **extra}
+        actors.append(actor_class.options(runtime_env={"env_vars": env}).remote())
+    try:
+        return ray.get([a.train_step.remote() for a in actors], timeout=2 * GROUP_TIMEOUT_S)
+    except ray.exceptions.RayError as exc:  # an actor died (a crashed collective, say) or the job timed
+        # out: this job's outcome, reported as such; the other jobs are still judged
+        died = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+        return [{"rank": rank, "status": "died", "error": died} for rank in range(len(actors))]
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
 def run(jobs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
     import ray
 
@@ -88,22 +114,13 @@ def run(jobs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
         actor_class = ray.remote(num_cpus=0)(MegatronRank)
         results = {}
         for job in jobs:
-            port = _free_port()
-            actors = []
-            for rank, extra in enumerate(job["env"]):
-                env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(job["env"])),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                       "PYTHONWARNINGS": "ignore", **extra}
-                actors.append(actor_class.options(runtime_env={"env_vars": env}).remote())
-            try:
-                results[job["name"]] = ray.get([a.train_step.remote() for a in actors], timeout=600)
-            except ray.exceptions.RayError as exc:  # an actor died (a crashed collective, say): this
-                # job's outcome, reported as such; the other jobs are still judged
-                died = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
-                results[job["name"]] = [{"rank": rank, "status": "died", "error": died}
-                                        for rank in range(len(actors))]
-            for actor in actors:
-                ray.kill(actor)
+            results[job["name"]] = outcome = _run_job(actor_class, job)
+            if any(r["status"] == "no-group" for r in outcome):
+                # another gloo job on the machine took the port, or a pair dialled a listener of
+                # another job (pytest-xdist workers): nothing of the job ran, so run it once more
+                print(f"ray_actors: job {job['name']!r}: the gloo group did not form ({outcome}); once more",
+                      file=sys.stderr, flush=True)
+                results[job["name"]] = _run_job(actor_class, job)
         return results
     finally:
         ray.shutdown()
