@@ -249,6 +249,7 @@ def test_tp_invariant_sequence_parallel_is_bit_identical_to_tp1(checkout, model,
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_resume_at_another_tp_size_is_bit_identical(checkout, tmp_path_factory):
     """The seed issue's scenario: train at TP=2, save a torch_dist checkpoint, resume at TP=4 and
     TP=1 (GELU, LayerNorm, optimizer state resharded by Megatron's loader). Under the mode every
@@ -274,6 +275,7 @@ def test_tp_invariant_resume_at_another_tp_size_is_bit_identical(checkout, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_distributed_optimizer_resume_at_another_tp_size_is_bit_identical(checkout, tmp_path_factory):
     """Issue 28 item 4: the same scenario with --use-distributed-optimizer, saved in upstream's fully
     reshardable format (what a TP change needs: upstream refuses dp_reshardable checkpoints at
@@ -748,6 +750,7 @@ def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4(
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 @pytest.mark.parametrize("optimizer", [(), ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")],
                          ids=["plain", "distributed"])
 def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(checkout, tmp_path_factory, optimizer):
@@ -796,6 +799,7 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_and_pipeline_depth(checkout, tmp_path_factory):
     """Issue 37: the Llama flags, global batch 12 of single-sequence micro-batches, clipped Adam
     (--clip-grad 0.05: every step clipped). One run trains 3 iterations at TP 1 x DP 1, saving at

@@ -57,3 +57,24 @@ def test_ci_runs_the_readme_test_command_with_what_the_test_extra_installs():
     extra = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     if " -n " in f" {command} " or "--dist" in command:
         assert any(req.startswith("pytest-xdist") for req in extra), extra
+
+
+def test_what_the_readme_test_command_leaves_out_runs_in_its_own_ci_stage():
+    """Issue 36 item 4: a marker the README's test command deselects (``-m "not X"``) names tests
+    that CI still runs, in a stage of its own with ``-m X``, and the README says how to run them."""
+    import re
+    import shlex
+
+    command = shlex.split(_readme_test_command())
+    markers = [i for i, word in enumerate(command) if word == "-m"][1:]  # the first: python -m pytest
+    expression = command[markers[-1] + 1] if markers else ""
+    left_out = re.findall(r"not (\w+)", expression)
+    assert left_out, f"the README's test command deselects nothing: {command}"
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    readme = (TESTS.parent / "README.md").read_text()
+    for marker in left_out:
+        stage = f"python -m pytest -q -n auto --dist load -m {marker}"
+        assert f"  {stage}\n" in ci, f".ci/run never runs the tests marked {marker}"
+        assert f'if [[ "$stages" == *" {marker} "* ]]' in ci and f"default {marker} " in ci, \
+            f"the {marker} stage is not on by default"
+        assert stage in readme, f"the README does not say how to run the tests marked {marker}"
