@@ -529,6 +529,11 @@ _REFUSED_CONFIG = {
         bool, "--cross-entropy-loss-fusion; Megatron-Bridge: provider.cross_entropy_loss_fusion=False",
         "megatron-core's fused vocab-parallel cross entropy all-reduces the TP partials of its "
         "sum of exponentials itself, outside the fixed tree"),
+    # issue 37 item 8: the one layout axis the mode does not cover (megatron-core's local attention,
+    # the only one the mode runs, asserts CP == 1 after this check would have passed)
+    "context_parallel_size": (lambda size: (size or 1) > 1, "--context-parallel-size; run 1",
+                              "context parallelism splits each sequence's attention over ranks and combines "
+                              "their partial softmax results outside the fixed tree"),
 }
 
 

@@ -116,6 +116,7 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
     fields: Dict[str, object] = dict(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=_int(argv, "--pipeline-model-parallel-size", 1),
+        context_parallel_size=_int(argv, "--context-parallel-size", 1),
         num_attention_heads=heads,
         hidden_size=hidden,
         ffn_hidden_size=_ffn_hidden_size(argv, hidden, swiglu),
