@@ -447,6 +447,7 @@ for argv in json.loads(sys.argv[1]):
     out.append(dict(**sizes,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+        context_parallel_size=a.context_parallel_size,
         num_query_groups=a.num_query_groups if a.group_query_attention else None,
         gated_linear_unit=swiglu, sequence_parallel=a.sequence_parallel,
         gradient_accumulation_fusion=a.gradient_accumulation_fusion,
@@ -487,7 +488,7 @@ def test_doctor_reads_flags_as_megatron_lm_parses_them(checkout):
              ["--num-attention-heads", "8", "--sequence-parallel", "--use-distributed-optimizer",
               "--no-bias-gelu-fusion", "--num-experts", "4", "--use-te-activation-func",
               "--defer-embedding-wgrad-compute", "--tensor-model-parallel-size=4", "--cross-entropy-loss-fusion",
-              "--num-distributed-optimizer-instances", "2"],
+              "--num-distributed-optimizer-instances", "2", "--context-parallel-size", "2"],
              # issue 26: the MoE flags the tp_invariant refusals read, defaults (expert TP = TP, the
              # experts' FFN size) derived by validate_args
              mlm.tiny_gpt_flags(tp=2, hidden=64, heads=4, extra=(
