@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import multiprocessing
 import multiprocessing.connection
@@ -434,8 +435,11 @@ def _fork_from_server(specs: Sequence[_RankSpec], payload: bytes, env: Mapping[s
 
     child_env = dict(os.environ)
     _apply_env(child_env, env)
-    # the installed megatron-core preloaded too, unless the job points PYTHONPATH at another one
-    address = rank_server.address(preload=preload or ("base" if "PYTHONPATH" in env else "megatron"))
+    # the installed megatron-core preloaded too, unless the job points PYTHONPATH at another one or
+    # Transformer Engine is installed (megatron-core imports it then, and a rank must import TE itself,
+    # after megapatch, as a job's rank does)
+    fresh = "PYTHONPATH" in env or importlib.util.find_spec("transformer_engine") is not None
+    address = rank_server.address(preload=preload or ("base" if fresh else "megatron"))
     for spec in specs:
         yield rank_server.request(address, f"{__name__}:_rank_main", (spec, payload), env=child_env)
 
