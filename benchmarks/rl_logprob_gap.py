@@ -23,7 +23,6 @@ with ``--tp4`` 2/4 and 4/4. Each mode runs in one job of max-TP gloo ranks.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time

@@ -1,0 +1,51 @@
+"""An MoE model at another data-parallel size (issue 37): Megatron-LM's ``pretrain_gpt.py`` on CPU
+gloo ranks, the Llama flags of ``megapatch.testing.scenarios.layouts`` plus a Qwen3-MoE-shaped layer
+(8 experts top-2, alltoall dispatcher, QK RMSNorm, aux and z losses), TP 1 x EP 1, the same global
+batch of 12 single-sequence micro-batches at DP 1, 2 and 4 (a fresh run each: PP 1, one initial
+model), 3 clipped Adam steps, under ``tp_invariant`` and natively. Prints the printed losses, the
+full-precision grad norms (the test probe's record) and how many of the final torch_dist
+checkpoint's tensors differ from DP 1's.
+
+    python benchmarks/tp_invariant_moe_data_parallel.py [--megatron-lm DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
+from megapatch.testing.scenarios import layouts, tp_resume  # noqa: E402
+
+PROBE = str(REPO / "tests" / "scripts" / "megatron_lm_probe.py")
+MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--qk-layernorm",
+       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3",
+       "--moe-token-dispatcher-type", "alltoall")
+MODES = {"tp_invariant": {"MEGAPATCH_TP_INVARIANT": "1"}, "native": {}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout (default: the pinned core_v0.16.1 tarball)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkout = args.megatron_lm or mlm.unpack(
+            REPO.parent / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"], Path(tmp) / "src")
+        for mode, env in MODES.items():
+            runs = {dp: layouts.train(checkout, Path(tmp) / mode, layouts.Layout(dp=dp), env, probe=PROBE, iters=3,
+                                      extra=MOE, label=mode, timeout=900) for dp in (1, 2, 4)}
+            base = runs[1].tensors()
+            for dp, run in runs.items():
+                differ = len(tp_resume.differences(base, run.tensors())) if dp > 1 else 0
+                print(f"{mode} DP {dp}: losses {[run.losses[i] for i in sorted(run.losses)]}, "
+                      f"norms {run.exact_norms}, {differ} of {len(base)} tensors differ from DP 1", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
