@@ -586,7 +586,10 @@ def _moe_coverage() -> str:
                 "calculate_per_token_loss with an aux or z loss", "a data-parallel size that is not a power of two"]
     return ("router gating GEMM and top-k per token block, routed experts (SequentialMLP, expert TP = TP) and "
             "shared experts through the fixed tree, aux and z losses; dispatchers allgather (EP 1) and alltoall "
-            "(any EP, each source rank's tokens one block); refused at construction: " + "; ".join(refused))
+            "(any EP, each source rank's tokens one block); bit-identical across TP and EP sizes at one "
+            "data-parallel size, not across a data-parallel size change (each micro-batch's expert weight "
+            "gradient adds the data-parallel ranks' partials in one tree); refused at construction: "
+            + "; ".join(refused))
 
 
 def _moe_refusals(config, layout=None) -> list:
