@@ -13,6 +13,7 @@ import copy
 import pytest
 
 from tests.test_doctor import _flags_survey
+from tests.test_moe_preflight import _run_refusal as construction_refusal
 
 FLAGS = ["--tensor-model-parallel-size", "2", "--num-attention-heads", "4", "--hidden-size", "64",
          "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
@@ -20,22 +21,13 @@ FLAGS = ["--tensor-model-parallel-size", "2", "--num-attention-heads", "4", "--h
 
 
 def _run_refusal(**fields):
-    import megapatch
-    from megapatch.core.errors import MegapatchError
-    from megapatch.patches import tp_invariant
+    """The construction check on the tiny GPT's real config at TP 2 with ``fields`` set on a copy."""
     from megapatch.testing.models.tiny_gpt import tiny_gpt_config
 
     config = copy.copy(tiny_gpt_config(tp=2))
     for name, value in fields.items():
         setattr(config, name, value)
-    megapatch.enable(tp_invariant=True)
-    try:
-        tp_invariant._check_config(config)
-    except MegapatchError as exc:
-        return str(exc)
-    finally:
-        megapatch.disable()
-    return None
+    return construction_refusal(config)
 
 
 @pytest.mark.parametrize("size", [2, 3])
