@@ -46,6 +46,7 @@ case $module in
     "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
     "$T/test_tp_invariant.py::test_releases_before_the_verified_one_are_refused_naming_both"
     "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
+    "$T/test_layout_refusals.py"
     "${MOE_AND_QK_NORM[@]}")
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
@@ -313,6 +314,7 @@ case $module in
     "$T/test_worker_processes.py") ;;
   megapatch/commands/megatron_lm_flags.py) tests=(
     "$T/test_doctor.py::test_flags_translate_to_the_config_fields_megatron_lm_builds"
+    "$T/test_layout_refusals.py"
     "$T/test_doctor.py::test_a_flag_given_twice_counts_at_its_last_occurrence_as_argparse_takes_it"
     "$T/test_doctor.py::test_a_flag_left_without_its_value_at_the_end_is_ignored_not_an_index_error"
     "$T/test_doctor.py::test_the_padded_vocabulary_refusal_names_it_and_the_flags_that_padded_it"
