@@ -60,8 +60,7 @@ def main() -> int:
     args = parser.parse_args()
     layout = layouts.Layout(tp=args.tp, dp=args.dp)
     with tempfile.TemporaryDirectory() as tmp:
-        checkout = args.megatron_lm or mlm.unpack(
-            REPO.parent / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"], Path(tmp) / "src")
+        checkout = args.megatron_lm or mlm.pinned_checkout(Path(tmp) / "src")
         print(f"| optimizer | mode | step ms (median, iterations {WARMUP + 1}-{args.iters}, {args.repeat} runs) "
               f"| / native | / before issue 37 |")
         print("|---|---|---|---|---|")

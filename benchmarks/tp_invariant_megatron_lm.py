@@ -69,8 +69,7 @@ def main() -> int:
     rows = []
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        checkout = args.megatron_lm or mlm.unpack(
-            REPO.parent / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"], Path(tmp) / "src")
+        checkout = args.megatron_lm or mlm.pinned_checkout(Path(tmp) / "src")
         for n, (config, extra, dp, tps) in enumerate(CONFIGS):
             for mode, env in MODES.items():
                 found = {}

@@ -34,8 +34,7 @@ def main() -> int:
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout (default: the pinned core_v0.16.1 tarball)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        checkout = args.megatron_lm or mlm.unpack(
-            REPO.parent / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"], Path(tmp) / "src")
+        checkout = args.megatron_lm or mlm.pinned_checkout(Path(tmp) / "src")
         for mode, env in MODES.items():
             runs = {dp: layouts.train(checkout, Path(tmp) / mode, layouts.Layout(dp=dp), env, probe=PROBE, iters=3,
                                       extra=MOE, label=mode, timeout=900) for dp in (1, 2, 4)}

@@ -54,8 +54,7 @@ def main() -> int:
     extra = DISTOPT if args.distributed_optimizer else ()
     out = args.out or REPO / "results" / ("tp_invariant_resume_distopt.md" if extra else "tp_invariant_resume.md")
     with tempfile.TemporaryDirectory() as tmp:
-        checkout = args.megatron_lm or mlm.unpack(REPO.parent / "shared" / "megatron-lm" / mlm.TARBALLS["core_v0.16.1"],
-                                                  Path(tmp) / "src")
+        checkout = args.megatron_lm or mlm.pinned_checkout(Path(tmp) / "src")
         rows, notes = [], []
         start = time.monotonic()
         for mode, env in MODES.items():

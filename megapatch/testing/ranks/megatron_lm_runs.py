@@ -50,6 +50,12 @@ def missing_training_modules() -> List[str]:
     return [m for m in TRAINING_MODULES if importlib.util.find_spec(m) is None]
 
 
+def pinned_checkout(into: Path, name: str = "core_v0.16.1") -> Path:
+    """The pinned tarball ``name`` from the project checkout's ``../shared/megatron-lm``, unpacked into
+    ``into`` (the benchmarks' default where no ``--megatron-lm`` checkout is given)."""
+    return unpack(Path(__file__).resolve().parents[3].parent / "shared" / "megatron-lm" / TARBALLS[name], into)
+
+
 def unpack(tarball: Path, into: Path) -> Path:
     """Unpack a Megatron-LM source tarball into ``into``; returns the ``Megatron-LM`` checkout."""
     into.mkdir(parents=True, exist_ok=True)
