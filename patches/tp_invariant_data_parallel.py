@@ -17,6 +17,10 @@ Under the mode:
   the bucket's exact accumulator instead of ``main_grad`` (upstream's hook still runs for the rest:
   ``grad = None``, the bucket's readiness), through ``grad_added_to_main_grad``, upstream's own
   flag for a gradient already accounted for.
+* Micro-batch size: every parameter DDP's hook feeds also gets a sink for per-sequence terms
+  (``block_tree.SEQUENCE_TERMS``): the mode's layers compute a micro-batch's weight gradients one
+  sequence at a time and deposit each as a term of its own, so the exact sum gets the same terms
+  whether the global batch comes in micro-batches of 1, 2 or 4 sequences.
 * ``_ParamAndGradBucketGroup.start_grad_sync``: each bucket's exact sum over the data-parallel group
   (MAX of the top bins, then an int64 all-reduce, or reduce-scatter for the distributed optimizer)
   written into the grad buffer in FP32, rounded once. No ``1/DP`` scaling here: it is in the seed.
@@ -51,6 +55,7 @@ def _make_backward_post_hook(wrapped, instance, args, kwargs):
     upstream = wrapped(*args, **kwargs)
     param = argument(args, kwargs, 0, "param")
     setattr(param, _DEPOSITED, True)
+    setattr(param, tpi.SEQUENCE_TERMS, functools.partial(_deposit_term, instance, param))
 
     @functools.wraps(upstream)
     def hook(*unused):
@@ -69,6 +74,16 @@ def _make_backward_post_hook(wrapped, instance, args, kwargs):
             param.grad_added_to_main_grad = False
 
     return hook
+
+
+def _deposit_term(ddp, param, term) -> None:
+    """One sequence's gradient of ``param`` (``block_tree.by_sequence``), a term of the exact sum of
+    its own, as DDP's hook deposits a micro-batch's."""
+    group = ddp.param_to_bucket_group.get(param)
+    if group is None:
+        refuse_tp_invariant("a parameter outside every DDP bucket with a per-sequence gradient",
+                            "its gradient terms have no exact sum to go to")
+    _deposit(group, param, term)
 
 
 def _accumulator(bucket) -> exact_sum.Accumulator:

@@ -36,6 +36,37 @@ def active() -> bool:
     return bool(getattr(state.current(), "tp_invariant", False))
 
 
+#: on a parameter: a callable that deposits one sequence's gradient into the exact data-parallel
+#: sum as a term of its own (set by ``tp_invariant.data_parallel`` on the parameters DDP's hook
+#: feeds). With it, a micro-batch of several sequences hands over one weight-gradient term per
+#: sequence, each computed exactly as a micro-batch of that sequence alone computes its gradient:
+#: the exact sum then gets the same terms at every micro-batch size.
+SEQUENCE_TERMS = "_megapatch_sequence_terms"
+
+
+def sequences(t: torch.Tensor) -> int:
+    """The number of sequences in an activation of Megatron's ``[s, b, ...]`` layout."""
+    return t.shape[1] if t.dim() >= 3 else 1
+
+
+def by_sequence(param, batch: int, term, whole):
+    """``param``'s gradient from a micro-batch of ``batch`` sequences: ``whole()`` (the micro-batch's
+    sum) unless the parameter's gradient goes into the exact data-parallel sum; then ``term(i)``
+    (sequence i's gradient, rounded as the returned gradient is) for every sequence, each but the
+    first deposited there as a term of its own, the first returned for DDP's hook to deposit."""
+    sink = getattr(param, SEQUENCE_TERMS, None) if batch > 1 and active() else None
+    if sink is None:
+        return whole()
+    for i in range(1, batch):
+        sink(term(i))
+    return term(0)
+
+
+def sequence(t: torch.Tensor, i: int) -> torch.Tensor:
+    """Sequence ``i`` of an ``[s, b, ...]`` activation, as ``[s, 1, ...]``."""
+    return t[:, i:i + 1]
+
+
 def blocks_per_rank(group) -> int:
     """W / t for this TP group; refuses a TP size that does not divide W."""
     w, t = width(), group_size(group)
@@ -235,6 +266,7 @@ class ColumnParallel(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, reduce_dgrad, nb, out_dtype=None, halves=1, dgrad_on_root=False,
                 sources=None):
         ctx.save_for_backward(x, weight)
+        ctx.params = (weight, bias)
         ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
         ctx.halves, ctx.dgrad_on_root, ctx.sources = halves, dgrad_on_root, sources
         xs = x.reshape(-1, x.shape[-1])
@@ -253,33 +285,42 @@ class ColumnParallel(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         sources = ctx.sources
-        x2 = operand(x.reshape(-1, x.shape[-1])) if sources is None else x.reshape(-1, x.shape[-1])
         g2 = grad.reshape(-1, grad.shape[-1])
-        partials, wgrads, bgrads = [], [], []
+        partials = []
         layout, tree = column_blocks(weight.shape[0], ctx.nb, ctx.halves)
         if ctx.needs_input_grad[0]:
             partials = [_by_source(lambda rows, sl=sl: product(operand(g2[rows, sl]), operand(weight[sl])),
                                    sources, g2.shape[0]) for sl in tree]
-        for sl in layout:
-            gb = operand(g2[:, sl])
-            if ctx.needs_input_grad[1]:
-                wgrads.append(product(gb.t(), x2) if sources is None else
-                              [product(operand(g2[rows, sl]).t(), operand(x2[rows])) for rows in sources.segments()])
-            if ctx.has_bias:
-                bgrads.append(gb.sum(dim=0, dtype=torch.float32))
         dgrad = wgrad = bgrad = None
         if partials:
             group = ctx.group if ctx.reduce_dgrad else None
             dgrad = invariant_sum(partials, group, x.dtype).view(x.shape)
             if ctx.dgrad_on_root:
                 dgrad = on_root(dgrad, group)
-        if wgrads and sources is not None:  # per source: the blocks' wgrads, then the sources' tree
+        if ctx.needs_input_grad[1] and sources is not None:  # per source: the blocks' wgrads, then the sources' tree
+            x2 = x.reshape(-1, x.shape[-1])
+            wgrads = [[product(operand(g2[rows, sl]).t(), operand(x2[rows])) for rows in sources.segments()]
+                      for sl in layout]
             wgrad = source_sum([torch.cat(blocks, dim=0) for blocks in zip(*wgrads)], sources).to(weight.dtype)
-        elif wgrads:
-            wgrad = torch.cat(wgrads, dim=0).to(weight.dtype)
-        if bgrads:
-            bgrad = torch.cat(bgrads).to(weight.dtype)
+        elif ctx.needs_input_grad[1]:
+            wgrad = by_sequence(ctx.params[0], sequences(x),
+                                lambda i: _column_wgrad(sequence(x, i), sequence(grad, i), layout, weight.dtype),
+                                lambda: _column_wgrad(x, grad, layout, weight.dtype))
+        if ctx.has_bias:
+            bgrad = by_sequence(ctx.params[1], sequences(grad),
+                                lambda i: _column_bgrad(sequence(grad, i), layout, weight.dtype),
+                                lambda: _column_bgrad(grad, layout, weight.dtype))
         return dgrad, wgrad, bgrad, None, None, None, None, None, None, None
+
+
+def _column_wgrad(x: torch.Tensor, grad: torch.Tensor, layout, dtype) -> torch.Tensor:
+    x2, g2 = operand(x.reshape(-1, x.shape[-1])), grad.reshape(-1, grad.shape[-1])
+    return torch.cat([product(operand(g2[:, sl]).t(), x2) for sl in layout], dim=0).to(dtype)
+
+
+def _column_bgrad(grad: torch.Tensor, layout, dtype) -> torch.Tensor:
+    g2 = grad.reshape(-1, grad.shape[-1])
+    return torch.cat([operand(g2[:, sl]).sum(dim=0, dtype=torch.float32) for sl in layout]).to(dtype)
 
 
 class RowParallel(torch.autograd.Function):
@@ -295,7 +336,7 @@ class RowParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, nb, on_root_only=False, sources=None):
         ctx.save_for_backward(x, weight)
-        ctx.nb, ctx.sources = nb, sources
+        ctx.nb, ctx.sources, ctx.param = nb, sources, weight
         x2 = x.reshape(-1, x.shape[-1])
         partials = [_by_source(lambda rows, sl=sl: product(operand(x2[rows, sl]), operand(weight[:, sl]).t()),
                                sources, x2.shape[0]).view(*x.shape[:-1], weight.shape[0])
@@ -311,21 +352,28 @@ class RowParallel(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         g2 = operand(g2) if sources is None else g2
         dgrads, wgrads = [], []
-        for sl in slices(weight.shape[1], ctx.nb):
+        blocks = slices(weight.shape[1], ctx.nb)
+        for sl in blocks:
             if ctx.needs_input_grad[0]:
                 dgrads.append(product(g2, operand(weight[:, sl])) if sources is None else
                               _by_source(lambda rows: product(operand(g2[rows]), operand(weight[:, sl])),
                                          sources, g2.shape[0]))
-            if ctx.needs_input_grad[1]:
-                wgrads.append(product(g2.t(), operand(x2[:, sl])) if sources is None else
-                              [product(operand(g2[rows]).t(), operand(x2[rows, sl])) for rows in sources.segments()])
+            if ctx.needs_input_grad[1] and sources is not None:
+                wgrads.append([product(operand(g2[rows]).t(), operand(x2[rows, sl])) for rows in sources.segments()])
         dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
         wgrad = None
-        if wgrads and sources is not None:  # per source: the blocks' wgrads, then the sources' tree
+        if wgrads:  # per source: the blocks' wgrads, then the sources' tree
             wgrad = source_sum([torch.cat(blocks, dim=-1) for blocks in zip(*wgrads)], sources).to(weight.dtype)
-        elif wgrads:
-            wgrad = torch.cat(wgrads, dim=-1).to(weight.dtype)
+        elif ctx.needs_input_grad[1]:
+            wgrad = by_sequence(ctx.param, sequences(x),
+                                lambda i: _row_wgrad(sequence(x, i), sequence(grad, i), blocks, weight.dtype),
+                                lambda: _row_wgrad(x, grad, blocks, weight.dtype))
         return dgrad, wgrad, None, None, None, None
+
+
+def _row_wgrad(x: torch.Tensor, grad: torch.Tensor, blocks, dtype) -> torch.Tensor:
+    x2, g2 = x.reshape(-1, x.shape[-1]), operand(grad.reshape(-1, grad.shape[-1]))
+    return torch.cat([product(g2.t(), operand(x2[:, sl])) for sl in blocks], dim=-1).to(dtype)
 
 
 def on_root(total: torch.Tensor, group) -> torch.Tensor:
@@ -442,6 +490,7 @@ class TokenBlockedAffine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, normalised, weight, bias, group, nb, split, out_dtype, heads=False):
         ctx.save_for_backward(normalised, weight)
+        ctx.params = (weight, bias)
         ctx.has_bias, ctx.group, ctx.nb, ctx.split, ctx.heads = bias is not None, group, nb, split, heads
         out = normalised * weight.float()
         if bias is not None:
@@ -452,9 +501,15 @@ class TokenBlockedAffine(torch.autograd.Function):
     def backward(ctx, grad):
         normalised, weight = ctx.saved_tensors
         dnormalised = grad.float() * weight.float() if ctx.needs_input_grad[0] else None
-        dweight = _token_tree(grad, normalised, ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype)
-        dbias = (_token_tree(grad, None, ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype)
-                 if ctx.has_bias else None)
+        def tree(param, factor):
+            return by_sequence(
+                param, sequences(grad),
+                lambda i: _token_tree(sequence(grad, i), None if factor is None else sequence(factor, i),
+                                      ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype),
+                lambda: _token_tree(grad, factor, ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype))
+
+        dweight = tree(ctx.params[0], normalised)
+        dbias = tree(ctx.params[1], None) if ctx.has_bias else None
         return dnormalised, dweight, dbias, None, None, None, None, None
 
 
@@ -464,12 +519,15 @@ class TokenBlockedBias(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bias, shape, group, nb, split):
-        ctx.group, ctx.nb, ctx.split, ctx.dtype = group, nb, split, bias.dtype
+        ctx.group, ctx.nb, ctx.split, ctx.dtype, ctx.param = group, nb, split, bias.dtype, bias
         return bias.expand(shape).clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return _token_tree(grad, None, ctx.group, ctx.nb, ctx.split).to(ctx.dtype), None, None, None, None
+        dbias = by_sequence(ctx.param, sequences(grad),
+                            lambda i: _token_tree(sequence(grad, i), None, ctx.group, ctx.nb, ctx.split).to(ctx.dtype),
+                            lambda: _token_tree(grad, None, ctx.group, ctx.nb, ctx.split).to(ctx.dtype))
+        return dbias, None, None, None, None
 
 
 class TokenBlockedLinear(torch.autograd.Function):

@@ -1,0 +1,80 @@
+"""``tp_invariant``'s micro-batch size: the word embedding's weight gradient one sequence at a time.
+
+The mode's own layers (``block_tree``: the linears' weight and bias gradients, the norms') compute a
+micro-batch of several sequences' weight gradients per sequence and hand each to the exact
+data-parallel sum as a term of its own (``block_tree.by_sequence``), so the summed gradient has
+the same terms at micro-batch sizes 1, 2 and 4. The embedding's weight gradient is upstream's
+(``F.embedding``'s backward adds every token of the micro-batch into one dense gradient, rounded
+to the parameter's dtype once): here a micro-batch of ``b > 1`` sequences runs upstream's
+``VocabParallelEmbedding.forward`` once per sequence, each on a view of the weight whose backward
+deposits that sequence's gradient -- the one a micro-batch of that sequence alone gives -- as its
+own term. The outputs are concatenated along the batch (upstream's TP reduction of each sequence is
+one non-zero per token: exact). Micro-batches of one sequence, and parameters whose gradient does
+not go into the exact sum (no DDP), take upstream's path untouched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from megapatch.core.call_args import argument
+from megapatch.core.registry import Target
+from megapatch.numerics import block_tree as tpi
+from megapatch.patches._common import LAYERS, tp_invariant_patch
+
+_INSIDE = contextvars.ContextVar("megapatch_embedding_per_sequence", default=False)
+
+
+class _SequenceTerm(torch.autograd.Function):
+    """The weight, as one sequence's embedding reads it; backward: that sequence's gradient is
+    passed on (the first sequence, for DDP's hook to deposit) or deposited as a term of its own."""
+
+    @staticmethod
+    def forward(ctx, weight, first):
+        ctx.param, ctx.first = weight, first
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.first:
+            return grad, None
+        getattr(ctx.param, tpi.SEQUENCE_TERMS)(grad)
+        return None, None
+
+
+def _embedding_forward(wrapped, instance, args, kwargs):
+    tokens = argument(args, kwargs, 0, "input_")
+    weight = instance.weight
+    if (_INSIDE.get() or not tpi.active() or tokens.dim() != 2 or tokens.shape[0] < 2
+            or not (torch.is_grad_enabled() and weight.requires_grad)
+            or getattr(weight, tpi.SEQUENCE_TERMS, None) is None):
+        return wrapped(*args, **kwargs)
+    from torch.func import functional_call
+
+    outputs = []
+    for i in range(tokens.shape[0]):
+        inside = _INSIDE.set(True)
+        try:
+            outputs.append(functional_call(instance, {"weight": _SequenceTerm.apply(weight, i == 0)},
+                                           (tokens[i:i + 1],)))
+        finally:
+            _INSIDE.reset(inside)
+    # upstream's layouts: [b, s, h], or [s/t, b, h] when it reduce-scatters into sequence parallelism
+    return torch.cat(outputs, dim=1 if getattr(instance, "reduce_scatter_embeddings", False) else 0)
+
+
+PATCHES = (
+    tp_invariant_patch(
+        name="tp_invariant.micro_batch",
+        summary="the word embedding's weight gradient per sequence, each a term of the exact "
+                "data-parallel sum (with the mode's layers': the same summed gradient at any "
+                "micro-batch size)",
+        hook=LAYERS,
+        targets=(
+            Target(LAYERS, "VocabParallelEmbedding.forward", _embedding_forward, kind="method",
+                   params=("self", "input_")),
+        ),
+    ),
+)
