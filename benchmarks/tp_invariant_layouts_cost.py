@@ -10,7 +10,11 @@ The Llama flags of ``megapatch.testing.scenarios.layouts``, plain and distribute
 is that older commit.)
 
     python benchmarks/tp_invariant_layouts_cost.py --before DIR [--megatron-lm DIR] [--dp 3] [--tp 1]
-                                                   [--iters 8] [--repeat 2]
+                                                   [--mbs 1] [--iters 8] [--repeat 2]
+
+``--before`` may be any earlier megapatch commit without the per-sequence gradient terms
+(``tp_invariant.micro_batch``): 3b23c9c (before issue 37) prices the whole layout work, f012f8b (the
+exact DP sum, before the per-sequence terms) prices the micro-batch-size work at ``--mbs`` > 1.
 
 Ratios, not absolute times, are the figure: CPU ranks share two cores here.
 """
@@ -30,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
 from megapatch.testing.scenarios import layouts  # noqa: E402
 
-BEFORE = "tp_invariant before issue 37"
+BEFORE = "tp_invariant at --before"
 MODES = {"native": {}, BEFORE: {"MEGAPATCH_TP_INVARIANT": "1"}, "tp_invariant": {"MEGAPATCH_TP_INVARIANT": "1"}}
 _ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 WARMUP = 2  # iterations left out: the first steps build buffers and compile nothing else
@@ -42,9 +46,9 @@ def _step_ms(checkout: Path, layout: layouts.Layout, env, iters: int, extra, pyt
                      extra_env={"PYTHONPATH": str(pythonpath)} if pythonpath else None)
     if run.returncode != 0:
         raise SystemExit(f"{env}: exited {run.returncode}\n{run.tail()}")
-    # which megapatch ran: only the current one has the exact data-parallel sum
+    # which megapatch ran: only the current one has the per-sequence gradient terms
     active = run.log.split("patches active:")[1].split("\n")[0] if "patches active:" in run.log else ""
-    if ("tp_invariant.data_parallel" in active) != (env.get("MEGAPATCH_TP_INVARIANT") == "1" and not pythonpath):
+    if ("tp_invariant.micro_batch" in active) != (env.get("MEGAPATCH_TP_INVARIANT") == "1" and not pythonpath):
         raise SystemExit(f"{env} (PYTHONPATH {pythonpath}): unexpected patches active: {active!r}")
     return [float(ms) for it, ms in _ELAPSED.findall(run.log) if int(it) > WARMUP]
 
@@ -55,14 +59,15 @@ def main() -> int:
     parser.add_argument("--before", type=Path, required=True, help="a megapatch checkout of the commit before issue 37")
     parser.add_argument("--dp", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size (global batch 12)")
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
-    layout = layouts.Layout(tp=args.tp, dp=args.dp)
+    layout = layouts.Layout(tp=args.tp, dp=args.dp, mbs=args.mbs)
     with tempfile.TemporaryDirectory() as tmp:
         checkout = args.megatron_lm or mlm.pinned_checkout(Path(tmp) / "src")
         print(f"| optimizer | mode | step ms (median, iterations {WARMUP + 1}-{args.iters}, {args.repeat} runs) "
-              f"| / native | / before issue 37 |")
+              f"| / native | / --before |")
         print("|---|---|---|---|---|")
         for optimizer, extra in (("plain", ()), ("distributed", ("--use-distributed-optimizer",))):
             found = {mode: [] for mode in MODES}
@@ -74,7 +79,8 @@ def main() -> int:
             for mode in MODES:
                 print(f"| {optimizer} | {mode} | {median[mode]:.1f} | {median[mode] / median['native']:.2f}x "
                       f"| {median[mode] / median[BEFORE]:.2f}x |", flush=True)
-    print(f"layout TP {args.tp} x DP {args.dp}, Llama flags (hidden 64, 4 layers), global batch 12, mbs 1")
+    print(f"layout TP {args.tp} x DP {args.dp}, Llama flags (hidden 64, 4 layers), global batch 12, mbs {args.mbs}; "
+          f"'{BEFORE}': {args.before}")
     return 0
 
 

@@ -801,12 +801,13 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
 
 @pytest.mark.slow
 @pytest.mark.resumes
-def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_and_pipeline_depth(checkout, tmp_path_factory):
+def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_pipeline_depth_and_micro_batch_size(checkout, tmp_path_factory):
     """Issue 37: the Llama flags, global batch 12 of single-sequence micro-batches, clipped Adam
     (--clip-grad 0.05: every step clipped). One run trains 3 iterations at TP 1 x DP 1, saving at
     iteration 1; from that checkpoint the same job resumes at TP 1 x DP 1, at TP 2 x DP 3 (6 ranks:
     4 micro-batches a rank; the loss seed and the DP sum at a size of 3) and at TP 1 x DP 2 x PP 2
-    (the grad norm added over two stages). Every resume's full-precision grad norms and final
+    in micro-batches of 2 sequences (the grad norm added over two stages; per-sequence gradient
+    terms). Every resume's full-precision grad norms and final
     checkpoint tensors (parameters, FP32 main parameters, Adam moments) equal the uninterrupted
     run's, and its printed losses and grad norms equal the TP 1 x DP 1 resume's (a fresh run prints
     the mean of its first two iterations' losses at iteration 2: upstream's logging). Native DP 3
@@ -816,7 +817,7 @@ def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_and_pipeline_
     _tp_invariant_revision(checkout)
     work = tmp_path_factory.mktemp("layouts")
     env = {"MEGAPATCH_TP_INVARIANT": "1"}
-    others = [layouts.Layout(tp=2, dp=3), layouts.Layout(dp=2, pp=2)]
+    others = [layouts.Layout(tp=2, dp=3), layouts.Layout(dp=2, pp=2, mbs=2)]
     runs = layouts.experiment(checkout[1], work / "invariant", env, [layouts.Layout(), *others],
                               probe=PROBE, label="invariant", timeout=TIMEOUT)
     full, same = runs["full"], runs[layouts.Layout().label]
@@ -832,36 +833,45 @@ def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_and_pipeline_
         assert layouts.tp_resume.differences(reference, run.tensors()) == {}, layout
 
 
-@pytest.mark.quick("tp_invariant.data_parallel", "tp_invariant.loss_scale")
-def test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3(checkout, tmp_path_factory):
+@pytest.mark.quick("tp_invariant.data_parallel", "tp_invariant.loss_scale", "tp_invariant.micro_batch")
+def test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4(
+        checkout, tmp_path_factory):
     """Issue 37, the fast check: one clipped Adam step of the Llama flags on a global batch of 12
-    single-sequence micro-batches at DP 1 (12 micro-batches) and DP 3 (4 a rank: the loss seed's
-    1/3 and a three-rank sum), and at DP 3 with the distributed optimizer (the sum reduce-scattered
-    into each rank's shard): under the mode the full-precision grad norm and every parameter are
-    bit-identical (and every checkpoint tensor between the two plain runs); natively DP 1 and 3 are
-    not (the comparison can fail). Oracle for the sum itself: the mode's norm is native's to 1e-4
-    (a sum left out, scaled twice or summed over the wrong ranks is not)."""
+    sequences at DP 1 in 12 micro-batches of one sequence, at DP 1 in 3 micro-batches of 4
+    (every weight gradient, the embedding's included, summed over 4 sequences inside a micro-batch),
+    at DP 3 in 2 micro-batches of 2 a rank (the loss seed's 1/3, a three-rank sum, two sequences a
+    micro-batch) and at DP 3 with the distributed optimizer (the sum reduce-scattered into each
+    rank's shard): under the mode the full-precision grad norm and every parameter are bit-identical
+    (and every checkpoint tensor between the plain runs); natively DP 1 and DP 3 x mbs 2 are not
+    (the comparison can fail). Oracle for the sum itself: the mode's norm is native's to 1e-4 (a sum
+    left out, a sequence's term dropped or deposited twice, or a sum scaled twice is not)."""
     from megapatch.testing.scenarios import layouts
 
     _tp_invariant_revision(checkout)
     work = tmp_path_factory.mktemp("layouts-first-step")
     distopt = ("--use-distributed-optimizer",)
+    L = layouts.Layout
+    runs = {("invariant", L(), ()), ("invariant", L(mbs=4), ()), ("invariant", L(dp=3, mbs=2), ()),
+            ("invariant", L(dp=3), distopt), ("native", L(), ()), ("native", L(dp=3, mbs=2), ())}
     found = {}
-    for mode, env in (("invariant", {"MEGAPATCH_TP_INVARIANT": "1"}), ("native", {})):
-        for dp, extra in ((1, ()), (3, ())) + (((3, distopt),) if mode == "invariant" else ()):
-            found[mode, dp, extra] = layouts.train(checkout[1], work / mode, layouts.Layout(dp=dp), env,
-                                                   probe=PROBE, iters=1, extra=extra, timeout=TIMEOUT,
+    for mode, layout, extra in sorted(runs, key=str):
+        env = {"MEGAPATCH_TP_INVARIANT": "1"} if mode == "invariant" else {}
+        found[mode, layout, extra] = layouts.train(checkout[1], work / mode, layout, env, probe=PROBE, iters=1,
+                                                   extra=extra, timeout=TIMEOUT,
                                                    label=f"{mode}{'-distopt' if extra else ''}")
-            assert len(found[mode, dp, extra].exact_norms) == 1, found[mode, dp, extra].run.tail()
-    one, three, sharded = found["invariant", 1, ()], found["invariant", 3, ()], found["invariant", 3, distopt]
-    assert one.exact_norms == three.exact_norms == sharded.exact_norms
-    assert one.losses == three.losses == sharded.losses
+        assert len(found[mode, layout, extra].exact_norms) == 1, found[mode, layout, extra].run.tail()
+    one, four = found["invariant", L(), ()], found["invariant", L(mbs=4), ()]
+    three, sharded = found["invariant", L(dp=3, mbs=2), ()], found["invariant", L(dp=3), distopt]
+    assert one.exact_norms == four.exact_norms == three.exact_norms == sharded.exact_norms
+    assert one.losses == four.losses == three.losses == sharded.losses
+    assert layouts.tp_resume.differences(one.tensors(), four.tensors()) == {}
     assert layouts.tp_resume.differences(one.tensors(), three.tensors()) == {}
     parameters = {k: v for k, v in one.tensors().items() if not k.startswith("optimizer.")}
     assert len(parameters) >= 9  # embedding, output layer, final norm, six per-layer stacks
     assert layouts.tp_resume.differences(
         parameters, {k: v for k, v in sharded.tensors().items() if k in parameters}) == {}
-    native_norm = float.fromhex(found["native", 1, ()].exact_norms[0])
+    native_one, native_three = found["native", L(), ()], found["native", L(dp=3, mbs=2), ()]
+    native_norm = float.fromhex(native_one.exact_norms[0])
     assert abs(float.fromhex(one.exact_norms[0]) - native_norm) <= 1e-4 * native_norm, (one.exact_norms, native_norm)
-    assert found["native", 1, ()].exact_norms != found["native", 3, ()].exact_norms
-    assert layouts.tp_resume.differences(found["native", 1, ()].tensors(), found["native", 3, ()].tensors())
+    assert native_one.exact_norms != native_three.exact_norms
+    assert layouts.tp_resume.differences(native_one.tensors(), native_three.tensors())

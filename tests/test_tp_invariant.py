@@ -698,3 +698,58 @@ def test_block_gemm_operands_follow_the_device():
     assert meta.dtype == torch.bfloat16 and meta.is_contiguous()
     out = block_tree.product(x.to("meta"), meta.t())
     assert out.dtype == torch.float32 and out.shape == (3, 4)
+
+
+def test_a_micro_batch_hands_the_exact_sum_one_weight_gradient_term_per_sequence(monkeypatch):
+    """Issue 37 item 2, the arithmetic: under the mode, with a sink on the parameter (DDP's exact
+    sum), a micro-batch of 3 sequences ([s, b, h] of 8 positions, position-dependent values) hands
+    over 3 weight-gradient terms -- the first returned, the others
+    deposited -- each bit-identical to the gradient that sequence alone gives as a micro-batch of 1
+    (the oracle: separate backward passes), for the column- and row-parallel linears (weight and
+    bias) and a norm's affine weight. Without a sink the micro-batch's whole gradient comes back."""
+    from megapatch.numerics import block_tree
+
+    monkeypatch.setattr(block_tree, "active", lambda: True)
+    monkeypatch.setattr(block_tree, "width", lambda: 4)
+    s, b, k, n = 8, 3, 8, 12
+    steps = torch.arange(s * b * k, dtype=torch.float32).reshape(s, b, k)
+    x = (torch.sin(steps * 0.37) * (1 + steps / 50)).bfloat16()
+    g = torch.cos(torch.arange(s * b * n, dtype=torch.float32).reshape(s, b, n) * 0.11).bfloat16()
+    weight_c = torch.nn.Parameter(torch.randn(n, k, generator=torch.Generator().manual_seed(1)).bfloat16())
+    bias_c = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16())
+    weight_r = torch.nn.Parameter(torch.randn(k, n, generator=torch.Generator().manual_seed(3)).bfloat16())
+    norm_w = torch.nn.Parameter(torch.randn(k, generator=torch.Generator().manual_seed(4)).bfloat16())
+    layers = {
+        "column": ((weight_c, bias_c), lambda x_, w, bias: block_tree.ColumnParallel.apply(x_, w, bias, None, False, 4)),
+        "row": ((weight_r,), lambda x_, w: block_tree.RowParallel.apply(x_, w, None, 4)),
+        "norm": ((norm_w,), lambda x_, w: block_tree.TokenBlockedAffine.apply(x_.float(), w, None, None, 4, False,
+                                                                                torch.bfloat16)),
+    }
+    for name, (params, layer) in layers.items():
+        grad_out = g if name == "column" else g[..., :k]
+        inputs = x if name != "row" else torch.sin(torch.arange(s * b * n).reshape(s, b, n) * 0.3).bfloat16()
+
+        def backward(batch, gout):
+            for p in params:
+                p.grad = None
+            layer(batch, *params).backward(gout)
+            return [p.grad.clone() for p in params]
+
+        alone = [backward(inputs[:, i:i + 1], grad_out[:, i:i + 1]) for i in range(b)]
+        whole_oracle = backward(inputs, grad_out)  # no sink: the micro-batch's own sum
+        deposited = {id(p): [] for p in params}
+        for p in params:
+            setattr(p, block_tree.SEQUENCE_TERMS, deposited[id(p)].append)
+        try:
+            returned = backward(inputs, grad_out)
+        finally:
+            for p in params:
+                delattr(p, block_tree.SEQUENCE_TERMS)
+        for j, p in enumerate(params):
+            assert torch.equal(returned[j], alone[0][j]), (name, j)
+            assert len(deposited[id(p)]) == b - 1, (name, j)
+            for i in range(1, b):
+                assert torch.equal(deposited[id(p)][i - 1], alone[i][j]), (name, j, i)
+            total = sum(a[j].double() for a in alone)
+            assert torch.allclose(whole_oracle[j].double(), total, rtol=3e-2, atol=3e-2), (name, j)  # BF16 terms
+        assert not all(torch.equal(returned[j], whole_oracle[j]) for j in range(len(params))), name

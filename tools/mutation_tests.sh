@@ -32,15 +32,16 @@ case $module in
     "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
     "${MOE_AND_QK_NORM[@]}")
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
-          "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
+          "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]"
+          "$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]") ;;
   megapatch/numerics/exact_sum.py) tests=(
     "$T/test_exact_sum.py")
-    slow=("$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3[core_v0.16.1]"
-          "${MLM}_steps_are_the_same_at_any_data_parallel_size_and_pipeline_depth[core_v0.16.1]") ;;
-  patches/tp_invariant_data_parallel.py|patches/tp_invariant_loss_scale.py) tests=(
+    slow=("$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]"
+          "${MLM}_steps_are_the_same_at_any_data_parallel_size_pipeline_depth_and_micro_batch_size[core_v0.16.1]") ;;
+  patches/tp_invariant_data_parallel.py|patches/tp_invariant_loss_scale.py|patches/tp_invariant_micro_batch.py) tests=(
     "$T/test_quick_loop.py"
-    "$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3[core_v0.16.1]")
-    slow=("${MLM}_steps_are_the_same_at_any_data_parallel_size_and_pipeline_depth[core_v0.16.1]") ;;
+    "$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]")
+    slow=("${MLM}_steps_are_the_same_at_any_data_parallel_size_pipeline_depth_and_micro_batch_size[core_v0.16.1]") ;;
   patches/tp_invariant.py) tests=(
     "$T/test_tp_invariant.py::test_several_distributed_optimizer_instances_are_refused_before_it_is_built"
     "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
