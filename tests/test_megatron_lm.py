@@ -842,7 +842,7 @@ def test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_
     at DP 3 in 2 micro-batches of 2 a rank (the loss seed's 1/3, a three-rank sum, two sequences a
     micro-batch) and at DP 3 with the distributed optimizer (the sum reduce-scattered into each
     rank's shard): under the mode the full-precision grad norm and every parameter are bit-identical
-    (and every checkpoint tensor between the plain runs); natively DP 1 and DP 3 x mbs 2 are not
+    (and every checkpoint tensor between the plain runs), the printed loss too at mbs 1; natively DP 1 and DP 3 x mbs 2 are not
     (the comparison can fail). Oracle for the sum itself: the mode's norm is native's to 1e-4 (a sum
     left out, a sequence's term dropped or deposited twice, or a sum scaled twice is not)."""
     from megapatch.testing.scenarios import layouts
@@ -863,7 +863,13 @@ def test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_
     one, four = found["invariant", L(), ()], found["invariant", L(mbs=4), ()]
     three, sharded = found["invariant", L(dp=3, mbs=2), ()], found["invariant", L(dp=3), distopt]
     assert one.exact_norms == four.exact_norms == three.exact_norms == sharded.exact_norms
-    assert one.losses == four.losses == three.losses == sharded.losses
+    assert one.losses == sharded.losses
+    # the printed loss is the loss function's own FP32 sum over a micro-batch's tokens: at another
+    # micro-batch size its last printed digit may move (results/tp_invariant_layouts.md); the bits
+    # that train -- gradients, norms, parameters, moments -- may not
+    for run in (four, three):
+        assert all(abs(float(run.losses[i]) - float(one.losses[i])) <= 2e-6 * float(one.losses[i])
+                   for i in one.losses) and run.losses.keys() == one.losses.keys(), run.losses
     assert layouts.tp_resume.differences(one.tensors(), four.tensors()) == {}
     assert layouts.tp_resume.differences(one.tensors(), three.tensors()) == {}
     parameters = {k: v for k, v in one.tensors().items() if not k.startswith("optimizer.")}
