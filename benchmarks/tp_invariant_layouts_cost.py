@@ -47,7 +47,7 @@ def _step_ms(checkout: Path, layout: layouts.Layout, env, iters: int, extra, pyt
     if run.returncode != 0:
         raise SystemExit(f"{env}: exited {run.returncode}\n{run.tail()}")
     # which megapatch ran: only the current one has the per-sequence gradient terms
-    active = run.log.split("patches active:")[1].split("\n")[0] if "patches active:" in run.log else ""
+    active = run.active_patches
     if ("tp_invariant.micro_batch" in active) != (env.get("MEGAPATCH_TP_INVARIANT") == "1" and not pythonpath):
         raise SystemExit(f"{env} (PYTHONPATH {pythonpath}): unexpected patches active: {active!r}")
     return [float(ms) for it, ms in _ELAPSED.findall(run.log) if int(it) > WARMUP]

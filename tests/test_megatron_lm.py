@@ -99,6 +99,17 @@ def _first_step_token_losses(probes):
     return dict(enumerate(float.fromhex(v) for record in probes[0][:2] for v in record["values"]))
 
 
+def test_a_runs_active_patches_are_read_from_its_activation_line():
+    """The names on the activation line, coverage notes (brackets with commas and semicolons of
+    their own) and pending imports left out; none when megapatch never enabled."""
+    line = ("megapatch enabled: tp_invariant=True (env MEGAPATCH_TP_INVARIANT) | patches active: "
+            "cross_rank.publish_settings, tp_invariant.moe [router per block; refused: a, b | c], "
+            "tp_invariant.micro_batch; pending-import: tp_invariant.construction (installs when ...)")
+    run = mlm.Run([], 0, f"rank 0 starts\n{line}\n{line.replace('micro_batch', 'other')}\n", 1.0)
+    assert run.active_patches == ["cross_rank.publish_settings", "tp_invariant.moe", "tp_invariant.micro_batch"]
+    assert mlm.Run([], 1, "Traceback ...", 1.0).active_patches == []
+
+
 @pytest.mark.slow
 def test_fp32_tp_reductions_bring_tp2_losses_to_tp1(checkout):
     """The TP drift FP32 reductions remove, measured where it is not mixed with training dynamics:
@@ -713,7 +724,7 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
         _trained(run, ITERS)
         if "fp32" in label or "logits" in label:
             assert "tp_reduce.moe [routed experts' fc2 partials" in run.log, (label, run.tail())
-    assert "tp_reduce.moe" not in runs["tp2-ep2-accumulate"][0].log.split("patches active:")[1].split("|")[0]
+    assert "tp_reduce.moe" not in runs["tp2-ep2-accumulate"][0].active_patches
     for probes, dtype in ((runs["tp2-logits"][1], "torch.float32"), (runs["tp2-fp32"][1], "torch.bfloat16")):
         assert {r["dtype"] for records in probes.values() for r in records} == {dtype}
     for tp in (2, 4):
@@ -743,7 +754,7 @@ def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4(
         run, probes = _run(checkout, label, flags, nproc=tp, megapatch_env=MOE_MODES["tp_invariant"])
         found[tp] = (_trained(run, ITERS), _grad_norms(run), [r["loss"] for r in probes[0]],
                      _recorded_norms(checkout, label), _recorded_norms(checkout, label, "replicated_grads"))
-        assert "tp_invariant.moe" in run.log.split("patches active:")[1], run.tail()
+        assert "tp_invariant.moe" in run.active_patches, run.tail()
         assert len(found[tp][1]) == ITERS and found[tp][4] and all(found[tp][4]), run.tail()
     doctor = _doctor(flags, MOE_MODES["tp_invariant"])
     assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout

@@ -113,6 +113,25 @@ class Run:
         """``{iteration: "lm loss" as printed}`` (strings: compare them exactly, parse to compare)."""
         return {int(i): loss for i, loss in _LOSS_LINE.findall(self.log)}
 
+    @property
+    def active_patches(self) -> List[str]:
+        """The patch names on the first ``megapatch enabled: ... | patches active: ...`` line (each
+        patch's bracketed coverage note left out); empty when megapatch never enabled."""
+        line = next((ln for ln in self.log.splitlines() if "patches active:" in ln), None)
+        if line is None:
+            return []
+        names, depth, item = [], 0, ""
+        for ch in line.split("patches active:", 1)[1] + ",":
+            depth += {"[": 1, "]": -1}.get(ch, 0)
+            if depth == 0 and ch in ",;|":  # ';' and '|' end the list (pending imports, other fields)
+                names.append(item.split("[")[0].strip())
+                item = ""
+                if ch != ",":
+                    break
+            else:
+                item += ch
+        return [name for name in names if name]
+
     def tail(self, chars: int = 6000) -> str:
         return self.log[-chars:]
 
