@@ -1,10 +1,10 @@
 """An MoE model at another data-parallel size (issue 37): Megatron-LM's ``pretrain_gpt.py`` on CPU
 gloo ranks, the Llama flags of ``megapatch.testing.scenarios.layouts`` plus a Qwen3-MoE-shaped layer
-(8 experts top-2, alltoall dispatcher, QK RMSNorm, aux and z losses), TP 1 x EP 1, the same global
-batch of 12 single-sequence micro-batches at DP 1, 2 and 4 (a fresh run each: PP 1, one initial
-model), 3 clipped Adam steps, under ``tp_invariant`` and natively. Prints the printed losses, the
-full-precision grad norms (the test probe's record) and how many of the final torch_dist
-checkpoint's tensors differ from DP 1's.
+(8 experts top-2, alltoall dispatcher, QK RMSNorm, aux and z losses), TP 1, the same global batch of
+12 single-sequence micro-batches at DP 1, 2, 3 and 4 with EP 1, and at DP 2 and 4 with EP 2 (a
+fresh run each: PP 1, one initial model), 3 clipped Adam steps, under ``tp_invariant`` and natively
+(native: EP 1 at DP 1, 2, 4). Prints the printed losses, the full-precision grad norms (the test
+probe's record) and how many of the final torch_dist checkpoint's tensors differ from DP 1's.
 
     python benchmarks/tp_invariant_moe_data_parallel.py [--megatron-lm DIR]
 """
@@ -27,6 +27,7 @@ MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3",
        "--moe-token-dispatcher-type", "alltoall")
 MODES = {"tp_invariant": {"MEGAPATCH_TP_INVARIANT": "1"}, "native": {}}
+LAYOUTS = {"tp_invariant": ((1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)), "native": ((1, 1), (2, 1), (4, 1))}
 
 
 def main() -> int:
@@ -36,13 +37,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         checkout = args.megatron_lm or mlm.pinned_checkout(Path(tmp) / "src")
         for mode, env in MODES.items():
-            runs = {dp: layouts.train(checkout, Path(tmp) / mode, layouts.Layout(dp=dp), env, probe=PROBE, iters=3,
-                                      extra=MOE, label=mode, timeout=900) for dp in (1, 2, 4)}
-            base = runs[1].tensors()
-            for dp, run in runs.items():
-                differ = len(tp_resume.differences(base, run.tensors())) if dp > 1 else 0
-                print(f"{mode} DP {dp}: losses {[run.losses[i] for i in sorted(run.losses)]}, "
-                      f"norms {run.exact_norms}, {differ} of {len(base)} tensors differ from DP 1", flush=True)
+            runs = {(dp, ep): layouts.train(checkout, Path(tmp) / mode, layouts.Layout(dp=dp), env, probe=PROBE,
+                                            iters=3, extra=(*MOE, "--expert-model-parallel-size", str(ep)),
+                                            label=f"{mode}-ep{ep}", timeout=900)
+                    for dp, ep in LAYOUTS[mode]}
+            base = runs[1, 1].tensors()
+            for (dp, ep), run in runs.items():
+                differ = len(tp_resume.differences(base, run.tensors())) if (dp, ep) != (1, 1) else 0
+                print(f"{mode} DP {dp} EP {ep}: losses {[run.losses[i] for i in sorted(run.losses)]}, "
+                      f"norms {run.exact_norms}, {differ} of {len(base)} tensors differ from DP 1 EP 1", flush=True)
     return 0
 
 

@@ -39,9 +39,11 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
   z-loss gradients are per token (token counts are integers), their logged values are not made
   invariant. Expert parallelism (alltoall): each source data-parallel rank's tokens are one block
   of rows in every expert GEMM (``TokenSources``; the dispatcher's TP-major chunks reordered
-  EP-major), and an expert's weight gradient is the fixed tree over every DP rank's FP32 partial
-  (``block_tree.source_sum``: gathered over expert DP, handed to DDP on its rank 0); the grad norm
-  adds expert parameters in (layer, global expert) order gathered over EP.
+  EP-major), and each source's FP32 partial of an expert's weight gradient, rounded on its own, is
+  a term of the exact data-parallel sum (``block_tree.source_terms``: the EP size, the DP size and
+  the micro-batch count do not move it; without DDP the fixed tree over the sources,
+  ``source_sum``); the grad norm adds expert parameters in (layer, global expert) order gathered
+  over EP.
 
 Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
 all-gathers, the norms' per-token work and replicated parameters' gradients (same full tensors on every rank),
@@ -411,23 +413,17 @@ _RESTORE = "_megapatch_restore"  # on a token dispatcher: the inverse of its EP-
 
 
 def _data_parallel():
-    """``(rank, size, expert-data-parallel group)``; a size the fixed tree cannot take is refused."""
+    """``(rank, size, expert-data-parallel group)``. Any size: each source rank's expert weight
+    gradient is a term of the exact data-parallel sum (``block_tree.source_terms``)."""
     from megatron.core import parallel_state
 
-    size = parallel_state.get_data_parallel_world_size()
-    if size & (size - 1):
-        below = 1 << (size.bit_length() - 1)
-        _refuse(f"a data-parallel size of {size} with expert layers",
-                "an expert's weight gradient sums the data-parallel ranks' tokens in a fixed tree whose "
-                f"width is a power of two. Run a power-of-two data-parallel size ({below} or {2 * below}: the "
-                f"world size divided by TP x PP x CP), by changing the number of ranks or "
-                f"--tensor-model-parallel-size / --pipeline-model-parallel-size / --context-parallel-size")
-    return parallel_state.get_data_parallel_rank(), size, parallel_state.get_expert_data_parallel_group()
+    return (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+            parallel_state.get_expert_data_parallel_group())
 
 
 def _own_sources(rows: int):
-    """Without expert parallelism an expert sees this data-parallel rank's tokens only; with other
-    data-parallel ranks their partial weight gradients are added in the tree (None: one rank)."""
+    """Without expert parallelism an expert sees this data-parallel rank's tokens only: one source
+    (None: one rank)."""
     rank, size, group = _data_parallel()
     return None if size == 1 else tpi.TokenSources((rows,), (rank,), group, size)
 
@@ -583,12 +579,12 @@ def _moe_coverage() -> str:
     the job-log line), from the refusal table itself."""
     refused = [f"{field} ({flag})" for field, (_, flag, _) in _MOE_REFUSED.items()]
     refused += [_MOE_EP[0], "one expert per EP rank", "expert_tensor_parallel_size other than the TP size",
-                "calculate_per_token_loss with an aux or z loss", "a data-parallel size that is not a power of two"]
+                "calculate_per_token_loss with an aux or z loss"]
     return ("router gating GEMM and top-k per token block, routed experts (SequentialMLP, expert TP = TP) and "
             "shared experts through the fixed tree, aux and z losses; dispatchers allgather (EP 1) and alltoall "
-            "(any EP, each source rank's tokens one block); bit-identical across TP and EP sizes at one "
-            "data-parallel size, not across a data-parallel size change (each micro-batch's expert weight "
-            "gradient adds the data-parallel ranks' partials in one tree); refused at construction: "
+            "(any EP, each source rank's tokens one block); bit-identical across TP, EP and data-parallel sizes "
+            "(each source rank's expert weight gradient a term of the exact data-parallel sum), not across a "
+            "micro-batch-size change (a micro-batch's tokens share an expert's GEMMs); refused at construction: "
             + "; ".join(refused))
 
 
@@ -707,9 +703,6 @@ def _block_init(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     config = argument(args, kwargs, 0, "config")
     _check_config(config)
-    if _tp_group_if_initialised() is not None:
-        if getattr(config, "num_moe_experts", None):
-            _data_parallel()  # a data-parallel size the experts' gradient tree cannot take
     result = wrapped(*args, **kwargs)
     for name, module in instance.named_modules():
         _refuse_te(module)

@@ -66,7 +66,7 @@ def _make_backward_post_hook(wrapped, instance, args, kwargs):
             refuse_tp_invariant("a gradient written to main_grad directly (gradient-accumulation fusion; "
                                 "Megatron-LM: --no-gradient-accumulation-fusion)",
                                 "the data-parallel sum is exact only over the gradients DDP's hook hands it")
-        _deposit(group, param, param.grad)
+        _deposit(group, param, [param.grad])
         param.grad_added_to_main_grad = True  # upstream's hook: skip its add, do the rest
         try:
             return upstream(*unused)
@@ -76,14 +76,15 @@ def _make_backward_post_hook(wrapped, instance, args, kwargs):
     return hook
 
 
-def _deposit_term(ddp, param, term) -> None:
-    """One sequence's gradient of ``param`` (``block_tree.by_sequence``), a term of the exact sum of
-    its own, as DDP's hook deposits a micro-batch's."""
+def _deposit_term(ddp, param, terms) -> None:
+    """Gradients of ``param`` each a term of the exact sum of its own, as DDP's hook deposits a
+    micro-batch's: one per sequence (``block_tree.by_sequence``) or per source rank of an expert's
+    tokens (``block_tree.source_terms``)."""
     group = ddp.param_to_bucket_group.get(param)
     if group is None:
         refuse_tp_invariant("a parameter outside every DDP bucket with a per-sequence gradient",
                             "its gradient terms have no exact sum to go to")
-    _deposit(group, param, term)
+    _deposit(group, param, terms)
 
 
 def _accumulator(bucket) -> exact_sum.Accumulator:
@@ -94,14 +95,14 @@ def _accumulator(bucket) -> exact_sum.Accumulator:
     return found
 
 
-def _deposit(bucket_group, param, grad) -> None:
+def _deposit(bucket_group, param, grads) -> None:
     bucket = bucket_group.param_to_bucket[param]
     main = param.main_grad
     if main.untyped_storage().data_ptr() != bucket.grad_data.untyped_storage().data_ptr():
         refuse_tp_invariant("a parameter whose main_grad is not a view of its DDP bucket",
                             "the exact sum is kept per bucket element")
     start = main.storage_offset() - bucket.grad_data.storage_offset()
-    _accumulator(bucket).add(start, grad)
+    _accumulator(bucket).add_terms(start, grads)
 
 
 def _start_grad_sync(wrapped, instance, args, kwargs):

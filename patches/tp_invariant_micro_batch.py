@@ -40,7 +40,7 @@ class _SequenceTerm(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.first:
             return grad, None
-        getattr(ctx.param, tpi.SEQUENCE_TERMS)(grad)
+        getattr(ctx.param, tpi.SEQUENCE_TERMS)([grad])
         return None, None
 
 

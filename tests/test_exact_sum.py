@@ -83,6 +83,26 @@ def test_any_order_gives_the_same_bits_and_the_definitions_value(seed, count, sp
     assert _bits_equal(forward, _oracle(rows))
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), count=st.integers(1, 12), spread=st.integers(0, 60),
+       cut=st.integers(0, 12))
+def test_terms_added_in_one_pass_give_the_bits_of_adding_them_one_by_one(seed, count, spread, cut):
+    """``add_terms`` (the per-sequence and per-source deposits): a batch of contributions, after
+    or before others that raise or keep the elements' grids, gives the definition's value, as the
+    same contributions added one at a time do."""
+    rng = random.Random(seed)
+    rows = [_wide(rng, 40, spread) for _ in range(count)]
+    cut = min(cut, count)
+    acc = es.Accumulator(40)
+    if cut:
+        acc.add_terms(0, rows[:cut])
+    for row in rows[cut:]:
+        acc.add(0, row)
+    assert _bits_equal(acc.total(), _oracle(rows))
+    assert _bits_equal(acc.total(), _summed(rows))
+    assert max(acc.counts.values()) == count
+
+
 def test_order_matters_for_an_fp32_running_sum_of_the_same_inputs():
     """The precondition: these inputs make a plain FP32 sum order-dependent."""
     rows = [torch.tensor([1.0]), torch.tensor([2.0 ** -24]), torch.tensor([2.0 ** -24])]

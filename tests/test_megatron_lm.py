@@ -737,28 +737,34 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
 
 
 @pytest.mark.slow
-def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4(checkout):
+def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4_and_dp_3(checkout):
     """Issue 26: pretrain_gpt.py with the scaled-down Qwen3-30B-A3B MoE flags (QK norm, top-2
     softmax routing, aux and z losses, SwiGLU experts), alltoall dispatcher, expert TP = TP and
-    sequence parallelism at TP > 1: under tp_invariant TP 1, 2 and 4 print the same losses and grad
-    norms, and give the same per-token losses, full-precision grad norms and replicated gradients
-    (norms, QK norms, the routers' gates) at every step; native TP 2 drifts from TP 1 (the MoE test
-    above: the comparison can fail)."""
+    sequence parallelism at TP > 1, a global batch of 6 single-sequence micro-batches: under
+    tp_invariant TP 1, 2 and 4 print the same losses and grad norms, and give the same per-token
+    losses, full-precision grad norms and replicated gradients (norms, QK norms, the routers' gates)
+    at every step; native TP 2 drifts from TP 1 (the MoE test above: the comparison can fail).
+    Issue 37: TP 1 at DP 3 (two micro-batches a rank; each rank's expert weight gradients terms of
+    the exact data-parallel sum, where a DP-3 job was refused before) prints the same losses and
+    grad norms and records the same full-precision norms as DP 1."""
     _tp_invariant_revision(checkout)
     found = {}
-    for tp in (1, 2, 4):  # 4 KV groups: whole groups at TP 4
-        flags = mlm.tiny_gpt_flags(tp=tp, heads=8, sequence_parallel=tp > 1, iters=ITERS, vocab=255, extra=(
+    for tp, dp in ((1, 1), (2, 1), (4, 1), (1, 3)):  # 4 KV groups: whole groups at TP 4
+        flags = mlm.tiny_gpt_flags(tp=tp, heads=8, sequence_parallel=tp > 1, iters=ITERS, vocab=255,
+                                   micro_batch=1, global_batch=6, extra=(
             *MOE_FLAGS, "--num-query-groups", "4", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type",
             "alltoall", "--expert-tensor-parallel-size", str(tp)))
-        label = f"moe-tp{tp}-tp_invariant"
-        run, probes = _run(checkout, label, flags, nproc=tp, megapatch_env=MOE_MODES["tp_invariant"])
-        found[tp] = (_trained(run, ITERS), _grad_norms(run), [r["loss"] for r in probes[0]],
-                     _recorded_norms(checkout, label), _recorded_norms(checkout, label, "replicated_grads"))
+        label = f"moe-tp{tp}-dp{dp}-tp_invariant"
+        run, probes = _run(checkout, label, flags, nproc=tp * dp, megapatch_env=MOE_MODES["tp_invariant"])
+        found[tp, dp] = (_trained(run, ITERS), _grad_norms(run), _recorded_norms(checkout, label))
+        if dp == 1:
+            found[tp, dp] += ([r["loss"] for r in probes[0]], _recorded_norms(checkout, label, "replicated_grads"))
+            assert len(found[tp, dp][1]) == ITERS and found[tp, dp][4] and all(found[tp, dp][4]), run.tail()
         assert "tp_invariant.moe" in run.active_patches, run.tail()
-        assert len(found[tp][1]) == ITERS and found[tp][4] and all(found[tp][4]), run.tail()
     doctor = _doctor(flags, MOE_MODES["tp_invariant"])
     assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
-    assert found[1] == found[2] == found[4]
+    assert found[1, 1] == found[2, 1] == found[4, 1]
+    assert found[1, 3] == found[1, 1][:3]
 
 
 @pytest.mark.slow

@@ -739,7 +739,7 @@ def test_a_micro_batch_hands_the_exact_sum_one_weight_gradient_term_per_sequence
         whole_oracle = backward(inputs, grad_out)  # no sink: the micro-batch's own sum
         deposited = {id(p): [] for p in params}
         for p in params:
-            setattr(p, block_tree.SEQUENCE_TERMS, deposited[id(p)].append)
+            setattr(p, block_tree.SEQUENCE_TERMS, deposited[id(p)].extend)
         try:
             returned = backward(inputs, grad_out)
         finally:

@@ -36,8 +36,8 @@ def active() -> bool:
     return bool(getattr(state.current(), "tp_invariant", False))
 
 
-#: on a parameter: a callable that deposits one sequence's gradient into the exact data-parallel
-#: sum as a term of its own (set by ``tp_invariant.data_parallel`` on the parameters DDP's hook
+#: on a parameter: a callable that deposits a list of gradients into the exact data-parallel sum,
+#: each a term of its own (set by ``tp_invariant.data_parallel`` on the parameters DDP's hook
 #: feeds). With it, a micro-batch of several sequences hands over one weight-gradient term per
 #: sequence, each computed exactly as a micro-batch of that sequence alone computes its gradient:
 #: the exact sum then gets the same terms at every micro-batch size.
@@ -57,8 +57,7 @@ def by_sequence(param, batch: int, term, whole):
     sink = getattr(param, SEQUENCE_TERMS, None) if batch > 1 and active() else None
     if sink is None:
         return whole()
-    for i in range(1, batch):
-        sink(term(i))
+    sink([term(i) for i in range(1, batch)])
     return term(0)
 
 
@@ -230,12 +229,37 @@ def _by_source(f, sources: Optional[TokenSources], rows: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def source_terms(param, parts: Sequence[torch.Tensor], sources: TokenSources, dtype) -> torch.Tensor:
+    """An expert weight gradient from its per-source FP32 partials. Where the parameter's gradient
+    goes into the exact data-parallel sum (``SEQUENCE_TERMS``), each source's partial is rounded to
+    ``dtype`` and is a term of that sum of its own -- as a dense layer's micro-batch gradient is: a
+    source's tokens give the same term whichever EP rank computed them, and whether they arrive as
+    another data-parallel rank's micro-batch or as this rank's next one, so the sum is independent
+    of the EP size and of the data-parallel size. Elsewhere (no DDP) the fixed tree over the sources
+    (``source_sum``)."""
+    sink = getattr(param, SEQUENCE_TERMS, None) if active() else None
+    if sink is None:
+        return source_sum(parts, sources).to(dtype)
+    terms = [part.to(dtype) for part in parts]
+    if len(terms) > 1:
+        sink(terms[1:])
+    return terms[0]
+
+
 def source_sum(parts: Sequence[torch.Tensor], sources: TokenSources) -> torch.Tensor:
     """An expert weight gradient from its per-source FP32 partials (one per entry of
     ``sources.counts``): the partials of every data-parallel rank's tokens, gathered over the
     expert-data-parallel ``group``, added in one fixed tree in data-parallel rank order, kept on the
     group's rank 0 (``on_root``: upstream's DDP then all-reduces expert gradients over that group).
     The same bits whichever EP rank received which data-parallel rank's tokens."""
+    if sources.total & (sources.total - 1):
+        from megapatch.core.errors import UnsupportedConfigurationError
+
+        raise UnsupportedConfigurationError(
+            f"megapatch tp_invariant: an expert weight gradient over {sources.total} data-parallel ranks "
+            f"without DDP's exact sum: the fixed tree over the ranks needs a power-of-two data-parallel size. "
+            f"Wrap the model in megatron-core's DistributedDataParallel (its exact sum takes any size), or "
+            f"run a power-of-two data-parallel size")
     local = torch.stack(list(parts))
     leaves = torch.tensor(sources.leaves, dtype=torch.long)
     n = group_size(sources.group)
@@ -301,7 +325,8 @@ class ColumnParallel(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             wgrads = [[product(operand(g2[rows, sl]).t(), operand(x2[rows])) for rows in sources.segments()]
                       for sl in layout]
-            wgrad = source_sum([torch.cat(blocks, dim=0) for blocks in zip(*wgrads)], sources).to(weight.dtype)
+            wgrad = source_terms(ctx.params[0], [torch.cat(blocks, dim=0) for blocks in zip(*wgrads)], sources,
+                              weight.dtype)
         elif ctx.needs_input_grad[1]:
             wgrad = by_sequence(ctx.params[0], sequences(x),
                                 lambda i: _column_wgrad(sequence(x, i), sequence(grad, i), layout, weight.dtype),
@@ -363,7 +388,8 @@ class RowParallel(torch.autograd.Function):
         dgrad = torch.cat(dgrads, dim=-1).to(x.dtype).view(x.shape) if dgrads else None
         wgrad = None
         if wgrads:  # per source: the blocks' wgrads, then the sources' tree
-            wgrad = source_sum([torch.cat(blocks, dim=-1) for blocks in zip(*wgrads)], sources).to(weight.dtype)
+            wgrad = source_terms(ctx.param, [torch.cat(blocks, dim=-1) for blocks in zip(*wgrads)], sources,
+                              weight.dtype)
         elif ctx.needs_input_grad[1]:
             wgrad = by_sequence(ctx.param, sequences(x),
                                 lambda i: _row_wgrad(sequence(x, i), sequence(grad, i), blocks, weight.dtype),

@@ -98,21 +98,31 @@ class Accumulator:
     def add(self, start: int, values: torch.Tensor) -> None:
         """Add ``values`` (any float dtype; converted to FP32 exactly from BF16/FP16) to elements
         ``start .. start + values.numel()``."""
-        flat = values.detach().reshape(-1)
-        end = start + flat.numel()
+        self.add_terms(start, [values])
+
+    def add_terms(self, start: int, terms) -> None:
+        """Add each of ``terms`` (tensors of one size) as a contribution of its own, in one pass:
+        the same result as adding them one by one (each is truncated on the grid of the largest of
+        them and of what the elements held, which is where one-by-one adds leave it too)."""
+        flat = torch.stack([t.detach().reshape(-1) for t in terms])
+        end = start + flat.shape[1]
         if start < 0 or end > self.numel:
             raise IndexError(f"elements {start}..{end} outside an accumulator of {self.numel}")
         top, limbs = self.top[start:end], self.limbs[:, start:end]
-        bins = top_bins(flat)
+        bins = top_bins(flat).amax(dim=0)
         new_top = torch.maximum(top, bins)
         shift = torch.where(top == EMPTY, torch.zeros_like(top), new_top - top).to(torch.int32)
         kept = _drop_limbs(limbs, shift)
         usable = (new_top != NONFINITE) & (new_top != EMPTY)
         digits = _digits(torch.where(usable, flat.float(), torch.zeros_like(flat, dtype=torch.float32)),
                          _grid_exponent(new_top))
+        if len(terms) > 1:
+            digits = digits.sum(dim=1, dtype=torch.int32)
+        else:
+            digits = digits[:, 0]
         limbs.copy_(torch.where(usable.unsqueeze(0), kept + digits, torch.zeros_like(kept)))
         top.copy_(new_top)
-        self.counts[start] = self.counts.get(start, 0) + 1
+        self.counts[start] = self.counts.get(start, 0) + len(terms)
         if self.counts[start] > MAX_CONTRIBUTIONS:
             raise OverflowError(f"more than {MAX_CONTRIBUTIONS} contributions to one exact sum")
 
