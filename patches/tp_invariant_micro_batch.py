@@ -9,8 +9,10 @@ to the parameter's dtype once): here a micro-batch of ``b > 1`` sequences runs u
 ``VocabParallelEmbedding.forward`` once per sequence, each on a view of the weight whose backward
 deposits that sequence's gradient -- the one a micro-batch of that sequence alone gives -- as its
 own term. The outputs are concatenated along the batch (upstream's TP reduction of each sequence is
-one non-zero per token: exact). Micro-batches of one sequence, and parameters whose gradient does
-not go into the exact sum (no DDP), take upstream's path untouched.
+one non-zero per token: exact). A weight tied to the output layer (PP 1) deposits every sequence's
+term, the first too, so that the output layer's terms stay terms of their own (``block_tree.tied``).
+Micro-batches of one sequence of an untied weight, and parameters whose gradient does not go into
+the exact sum (no DDP), take upstream's path untouched.
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ class _SequenceTerm(torch.autograd.Function):
         if ctx.first:
             return grad, None
         getattr(ctx.param, tpi.SEQUENCE_TERMS)([grad])
-        return None, None
+        # a tied weight (every sequence deposited): zeros, so that DDP's hook still runs for it
+        return (torch.zeros_like(grad) if tpi.tied(ctx.param) else None), None
 
 
 def _embedding_forward(wrapped, instance, args, kwargs):
     tokens = argument(args, kwargs, 0, "input_")
     weight = instance.weight
-    if (_INSIDE.get() or not tpi.active() or tokens.dim() != 2 or tokens.shape[0] < 2
+    if (_INSIDE.get() or not tpi.active() or tokens.dim() != 2 or (tokens.shape[0] < 2 and not tpi.tied(weight))
             or not (torch.is_grad_enabled() and weight.requires_grad)
             or getattr(weight, tpi.SEQUENCE_TERMS, None) is None):
         return wrapped(*args, **kwargs)
@@ -57,7 +60,8 @@ def _embedding_forward(wrapped, instance, args, kwargs):
     for i in range(tokens.shape[0]):
         inside = _INSIDE.set(True)
         try:
-            outputs.append(functional_call(instance, {"weight": _SequenceTerm.apply(weight, i == 0)},
+            first = i == 0 and not tpi.tied(weight)
+            outputs.append(functional_call(instance, {"weight": _SequenceTerm.apply(weight, first)},
                                            (tokens[i:i + 1],)))
         finally:
             _INSIDE.reset(inside)

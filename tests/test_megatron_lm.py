@@ -850,6 +850,30 @@ def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_pipeline_dept
         assert layouts.tp_resume.differences(reference, run.tensors()) == {}, layout
 
 
+@pytest.mark.slow
+@pytest.mark.resumes
+def test_tp_invariant_tied_embeddings_first_step_is_the_same_at_micro_batch_sizes_1_2_and_4(checkout, tmp_path_factory):
+    """Issue 37 with tied embeddings (the Llama flags without --untie-embeddings-and-output-weights,
+    PP 1): the word embedding's lookup and output-layer gradients stay separate terms of the exact
+    sum at every micro-batch size (``block_tree.tied``), so one clipped Adam step at DP 1 mbs 1, DP 1
+    mbs 2 and DP 3 mbs 4 gives the same full-precision grad norm and all 32 checkpoint tensors; before
+    the tied rule mbs 2 changed 24 of them (results/tp_invariant_layouts.md)."""
+    from megapatch.testing.scenarios import layouts
+
+    _tp_invariant_revision(checkout)
+    work = tmp_path_factory.mktemp("tied")
+    tied = tuple(a for a in layouts.LLAMA if a != "--untie-embeddings-and-output-weights")
+    env = {"MEGAPATCH_TP_INVARIANT": "1"}
+    runs = [layouts.train(checkout[1], work, layout, env, probe=PROBE, iters=1, timeout=TIMEOUT, label="tied",
+                          llama=tied)
+            for layout in (layouts.Layout(), layouts.Layout(mbs=2), layouts.Layout(dp=3, mbs=4))]
+    reference = runs[0].tensors()
+    assert "embedding.word_embeddings.weight" in reference and "output_layer.weight" not in reference
+    for run in runs:
+        assert len(run.exact_norms) == 1 and run.exact_norms == runs[0].exact_norms, run.run.tail()
+        assert layouts.tp_resume.differences(reference, run.tensors()) == {}, run.layout
+
+
 @pytest.mark.quick("tp_invariant.data_parallel", "tp_invariant.loss_scale", "tp_invariant.micro_batch")
 def test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4(
         checkout, tmp_path_factory):

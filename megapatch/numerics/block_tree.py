@@ -49,14 +49,27 @@ def sequences(t: torch.Tensor) -> int:
     return t.shape[1] if t.dim() >= 3 else 1
 
 
+def tied(param) -> bool:
+    """A weight two layers of one pipeline stage use (tied embeddings at PP 1: megatron-core marks
+    it ``zero_out_wgrad``): autograd would add its two gradients in one ``.grad`` per micro-batch."""
+    return bool(getattr(param, "zero_out_wgrad", False))
+
+
 def by_sequence(param, batch: int, term, whole):
     """``param``'s gradient from a micro-batch of ``batch`` sequences: ``whole()`` (the micro-batch's
     sum) unless the parameter's gradient goes into the exact data-parallel sum; then ``term(i)``
     (sequence i's gradient, rounded as the returned gradient is) for every sequence, each but the
-    first deposited there as a term of its own, the first returned for DDP's hook to deposit."""
-    sink = getattr(param, SEQUENCE_TERMS, None) if batch > 1 and active() else None
+    first deposited there as a term of its own, the first returned for DDP's hook to deposit. A tied
+    weight deposits every term, at every micro-batch size, and returns zeros: its other use's terms
+    then stay terms of their own too, instead of meeting the first sequence's in one ``.grad``."""
+    shared = tied(param)
+    sink = getattr(param, SEQUENCE_TERMS, None) if (batch > 1 or shared) and active() else None
     if sink is None:
         return whole()
+    if shared:
+        terms = [term(i) for i in range(batch)]
+        sink(terms)
+        return torch.zeros_like(terms[0])
     sink([term(i) for i in range(1, batch)])
     return term(0)
 

@@ -59,17 +59,19 @@ class LayoutRun:
         return tp_resume.checkpoint_tensors(self.checkpoint)
 
 
-def flags(layout: Layout, iters: int, global_batch: int, extra: Sequence[str] = ()) -> List[str]:
+def flags(layout: Layout, iters: int, global_batch: int, extra: Sequence[str] = (),
+          llama: Sequence[str] = LLAMA) -> List[str]:
     return mlm.tiny_gpt_flags(tp=layout.tp, pp=layout.pp, micro_batch=layout.mbs, global_batch=global_batch,
-                              iters=iters, **MODEL, extra=[*LLAMA, *extra])
+                              iters=iters, **MODEL, extra=[*llama, *extra])
 
 
 def train(checkout: Path, workdir: Path, layout: Layout, env: Mapping[str, str], *, probe: str,
           iters: int = 3, global_batch: int = 12, extra: Sequence[str] = (), label: str = "",
           load: Optional[Path] = None, save_interval: Optional[int] = None,
-          timeout: float = 600.0) -> LayoutRun:
+          timeout: float = 600.0, llama: Sequence[str] = LLAMA) -> LayoutRun:
     """One job at ``layout``, saving its final checkpoint (and every ``save_interval`` iterations);
-    ``load``: a checkpoint directory to resume from (copied first, so runs never share one)."""
+    ``load``: a checkpoint directory to resume from (copied first, so runs never share one); ``llama``: the
+    model flags (default: the Llama flags above)."""
     name = f"{label or 'run'}-{layout.label}"
     save = workdir / name
     probe_dir = workdir / "probes" / name
@@ -78,7 +80,7 @@ def train(checkout: Path, workdir: Path, layout: Layout, env: Mapping[str, str],
     if load is not None:
         shutil.copytree(load, save, dirs_exist_ok=True)
         more += ["--load", str(save)]
-    run = mlm.launch(checkout, flags(layout, iters, global_batch, more), nproc=layout.nproc,
+    run = mlm.launch(checkout, flags(layout, iters, global_batch, more, llama), nproc=layout.nproc,
                      megapatch_env=env, entry=[probe], timeout=timeout,
                      extra_env={"MEGATRON_LM_PROBE_DIR": str(probe_dir)})
     (workdir / f"{name}.log").write_text(run.log)
