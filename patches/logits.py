@@ -95,9 +95,9 @@ def lm_head(layer):
             layer.output_dtype = previous
     if marker.calls == 0 and getattr(layer, "_megapatch_expect_call", True):
         raise UpstreamSurfaceError(
-            f"megapatch logits_dtype='fp32': the model ran without calling its output layer "
-            f"through ColumnParallelLinear.forward, so its logits were not computed in FP32 "
-            f"(the upstream model forward changed)")
+            "megapatch logits_dtype='fp32': the model ran without calling its output layer "
+            "through ColumnParallelLinear.forward, so its logits were not computed in FP32 "
+            "(the upstream model forward changed)")
 
 
 class _Marked:
