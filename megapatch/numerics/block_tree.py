@@ -15,8 +15,11 @@ either. Elementwise ops (activations, softmax rows, Adam) are left alone: their 
 element does not depend on where it sits in the tensor (``tests/test_tp_invariant.py`` checks
 this for the activations on the installed torch).
 
-Only the TP size may change between runs that must agree; the batch, the width W and everything
-else must be the same.
+Here only the TP size changes between runs that must agree. The data-parallel size, the pipeline
+depth and the micro-batch size may change too where DDP feeds the exact data-parallel sum
+(``exact_sum``): weight gradients then go to it per sequence (``by_sequence``) and per source rank
+of an expert's tokens (``source_terms``). The global batch, the width W, the hardware and the
+libraries must be the same.
 """
 
 from __future__ import annotations
