@@ -56,7 +56,7 @@ def _step_ms(checkout: Path, layout: layouts.Layout, env, iters: int, extra, pyt
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout (default: the pinned core_v0.16.1 tarball)")
-    parser.add_argument("--before", type=Path, required=True, help="a megapatch checkout of the commit before issue 37")
+    parser.add_argument("--before", type=Path, required=True, help="an earlier megapatch checkout (3b23c9c: before issue 37; f012f8b: before the per-sequence terms)")
     parser.add_argument("--dp", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size (global batch 12)")

@@ -69,12 +69,19 @@ def by_sequence(param, batch: int, term, whole):
     sink = getattr(param, SEQUENCE_TERMS, None) if (batch > 1 or shared) and active() else None
     if sink is None:
         return whole()
+    return _hand_over(sink, [term(i) for i in range(batch)], shared)
+
+
+def _hand_over(sink, terms: List[torch.Tensor], shared: bool) -> torch.Tensor:
+    """The gradient to give autograd when ``terms`` are a parameter's terms of the exact sum: the
+    first (DDP's hook deposits it), the others deposited through ``sink``; for a tied weight all of
+    them through ``sink``, and zeros to autograd (so DDP's hook still runs for the parameter)."""
     if shared:
-        terms = [term(i) for i in range(batch)]
         sink(terms)
         return torch.zeros_like(terms[0])
-    sink([term(i) for i in range(1, batch)])
-    return term(0)
+    if len(terms) > 1:
+        sink(terms[1:])
+    return terms[0]
 
 
 def sequence(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -256,10 +263,7 @@ def source_terms(param, parts: Sequence[torch.Tensor], sources: TokenSources, dt
     sink = getattr(param, SEQUENCE_TERMS, None) if active() else None
     if sink is None:
         return source_sum(parts, sources).to(dtype)
-    terms = [part.to(dtype) for part in parts]
-    if len(terms) > 1:
-        sink(terms[1:])
-    return terms[0]
+    return _hand_over(sink, [part.to(dtype) for part in parts], tied(param))
 
 
 def source_sum(parts: Sequence[torch.Tensor], sources: TokenSources) -> torch.Tensor:

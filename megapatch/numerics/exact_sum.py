@@ -116,10 +116,7 @@ class Accumulator:
         usable = (new_top != NONFINITE) & (new_top != EMPTY)
         digits = _digits(torch.where(usable, flat.float(), torch.zeros_like(flat, dtype=torch.float32)),
                          _grid_exponent(new_top))
-        if len(terms) > 1:
-            digits = digits.sum(dim=1, dtype=torch.int32)
-        else:
-            digits = digits[:, 0]
+        digits = digits.sum(dim=1, dtype=torch.int32)  # [LIMBS, terms, n] -> [LIMBS, n]
         limbs.copy_(torch.where(usable.unsqueeze(0), kept + digits, torch.zeros_like(kept)))
         top.copy_(new_top)
         self.counts[start] = self.counts.get(start, 0) + len(terms)
