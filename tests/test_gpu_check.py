@@ -19,7 +19,8 @@ def test_the_gpu_check_dry_run_passes_every_section_and_writes_both_reports(tmp_
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["dry_run"] is True and set(report["sections"]) == {"block_gemm", "tp_invariant", "fp32_llama"}
+    assert report["dry_run"] is True and set(report["sections"]) == {"block_gemm", "batch_invariance", "tp_invariant",
+                                                                  "fp32_llama"}
     sections = report["sections"]
     assert all(s["ok"] and "error" not in s for s in sections.values()), sections
     assert sections["block_gemm"]["cases"] > 0 and sections["block_gemm"]["differing"] == []
@@ -28,7 +29,12 @@ def test_the_gpu_check_dry_run_passes_every_section_and_writes_both_reports(tmp_
     assert sections["tp_invariant"]["native_bit_identical_to_tp1"] == {"2": False, "4": False}
     rows = {(r["mode"], r["tp"]): r for r in sections["fp32_llama"]["rows"]}
     assert rows[("fp32", 2)]["kl_vs_tp1"] < rows[("native", 2)]["kl_vs_tp1"]
-    assert set(sections["fp32_llama"]["cost_at_tp1"]) == {"native", "fp32", "fp32+logits"}
+    assert rows[("tp_invariant", 2)]["max_abs_dlogit"] == rows[("tp_invariant", 4)]["max_abs_dlogit"] == 0
+    assert rows[("native", 4)]["max_abs_dlogit"] > 0
+    assert set(sections["fp32_llama"]["cost_at_tp1"]) == {"native", "fp32", "fp32+logits", "tp_invariant"}
+    cases = sections["batch_invariance"]["cases"]
+    assert {c["rows"] for c in cases} == {1, 7} and all(
+        isinstance(c[key], bool) for c in cases for key in ("n_block_same", "k_block_same", "plain_same"))
     text = (tmp_path / "gpu_check.md").read_text()
     assert "# GPU check (dry run on CPU)" in text and "do not bring BF16 below TP=1's BF16 error" in text
 

@@ -17,8 +17,15 @@ section that fails records its error and the others still run):
    sharing the one GPU (NCCL refuses that: gloo on CPU copies of the CUDA tensors, a labelled
    stand-in, ``megapatch.testing.stand_ins.one_gpu_collectives``; the arithmetic is the GPU's):
    logits, loss, every gradient bit-identical under the mode; native is expected to differ.
-3. ``fp32_llama``: a Llama of hidden size 1024 at TP 1/2/4 per mode (native, fp32, fp32 + FP32
-   logits) with planted massive activations: KL(TP1||TPN), max |delta logit|, error against the same
+3. ``batch_invariance``: whether a row's bits depend on how many rows share the GEMM (what a
+   rollout at decode batch sizes against the trainer's batch puts at stake; TE #2986): the mode's
+   block GEMM and plain BF16 ``torch.matmul`` at 1, 7, 64 and 4096 rows, each row compared with the
+   same row inside the 4096-row product. Also, from section 2's ranks: at TP 1, the model's logits
+   for one sequence run alone and for a prefix of it, against the same positions in the trainer's
+   batch (the training forward at other shapes; the dynamic engine's decode kernels are not run).
+   Reported, not required: what the mode promises is TP invariance, not batch invariance.
+4. ``fp32_llama``: a Llama of hidden size 1024 at TP 1/2/4 per mode (native, fp32, fp32 + FP32
+   logits, tp_invariant) with planted massive activations: KL(TP1||TPN), max |delta logit|, error against the same
    weights run in FP32 (FP32 reductions make TP sizes agree; they do not bring BF16 below TP=1's
    BF16 error), and the cost at TP=1 against native: step time (CUDA events, median) and peak memory
    (the reductions' wire cost needs NCCL over several GPUs and is not measured here).
@@ -41,20 +48,22 @@ sys.path.insert(0, REPO)
 
 SIZES = {
     "gpu": dict(shapes=[(64, 1024, 4096), (256, 4096, 11008), (17, 1536, 3072), (512, 2048, 32000)],
+                rows=dict(counts=(1, 7, 64, 4096), kn=[(1024, 4096), (4096, 1024), (2048, 32000)]),
                 invariant=dict(hidden_size=512, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=1024,
                                num_layers=2, vocab=4096, seq=128, batch=2),
                 llama=dict(hidden_size=1024, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=2816,
                            num_layers=2, vocab=32768, seq=512, batch=2),
-                timing=dict(warmup=3, samples=10)),
+                timing=dict(warmup=5, samples=30, batch=8)),
     "dry": dict(shapes=[(8, 64, 128), (5, 96, 64)],
+                rows=dict(counts=(1, 7, 64), kn=[(64, 128)]),
                 invariant=dict(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128,
                                num_layers=2, vocab=128, seq=16, batch=2),
                 llama=dict(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128,
                            num_layers=2, vocab=128, seq=32, batch=2),
-                timing=dict(warmup=1, samples=2)),
+                timing=dict(warmup=1, samples=2, batch=2)),
 }
 TPS = (1, 2, 4)
-LLAMA_MODES = ("native", "fp32", "fp32+logits")
+LLAMA_MODES = ("native", "fp32", "fp32+logits", "tp_invariant")
 W = 8  # tp_invariant's width: blocks per dimension
 
 
@@ -91,6 +100,31 @@ def block_gemm(device: str, shapes) -> dict:
     return dict(ok=not differing, cases=cases, differing=differing,
                 plain_views_differing=views_differing,
                 gemm="torch.mm(out_dtype=float32)" if device == "cuda" else "FP32 copies (CPU)")
+
+
+# --- 3. batch invariance: a row's bits against the number of rows ----------------------------------
+
+
+def batch_invariance(device: str, rows: dict) -> dict:
+    import torch
+
+    from megapatch.numerics.block_tree import operand, product
+
+    most = max(rows["counts"])
+    gen = torch.Generator(device=device).manual_seed(1)
+    found = []
+    for k, n in rows["kn"]:
+        x = torch.randn(most, k, device=device, generator=gen).to(torch.bfloat16)
+        w = torch.randn(n, k, device=device, generator=gen).to(torch.bfloat16)
+        # the mode's units of work: a block of N (column-parallel, full K) and a block of K (row-parallel)
+        n_block = lambda rows: product(operand(x[:rows]), operand(w[: n // W]).t())  # noqa: E731
+        k_block = lambda rows: product(operand(x[:rows, : k // W]), operand(w[:, : k // W]).t())  # noqa: E731
+        n_all, k_all, plain_all = n_block(most), k_block(most), x @ w.t()
+        for count in rows["counts"][:-1]:
+            found.append(dict(k=k, n=n, rows=count, n_block_same=torch.equal(n_block(count), n_all[:count]),
+                              k_block_same=torch.equal(k_block(count), k_all[:count]),
+                              plain_same=torch.equal(x[:count] @ w.t(), plain_all[:count])))
+    return dict(ok=True, reference_rows=most, cases=found)
 
 
 # --- ranks on one device ----------------------------------------------------------------------------
@@ -162,6 +196,14 @@ def _invariant_rank(ctx, device: str, sizes: dict):
                 loss = model(tokens, position_ids, mask, labels=labels)
                 loss.float().sum().backward()
                 grads = gather_full_grads(model, ctx)
+                if tp == 1:  # the trainer's batch against one sequence alone and a prefix of it
+                    half = tokens.shape[1] // 2
+                    with torch.no_grad():
+                        alone = model(tokens[:1], position_ids[:1], mask[:1])
+                        prefix = model(tokens[:, :half], position_ids[:, :half], mask[:, :, :half, :half])
+                    assert logits.shape[:2] == tokens.shape, logits.shape  # [batch, sequence, vocab]
+                    found[(mode, "shapes")] = dict(alone_same=torch.equal(alone, logits[:1]),
+                                                   prefix_same=torch.equal(prefix, logits[:, :half]))
                 found[(mode, tp)] = dict(logits=gather_tp_logits(logits, ctx).float().cpu(),
                                          loss=loss.detach().float().cpu(),
                                          grads={k: v.cpu() for k, v in grads.items()})
@@ -185,15 +227,17 @@ def tp_invariant(device: str, sizes: dict, start: str) -> dict:
     invariant = {tp: same(found[("invariant", 1)], found[("invariant", tp)]) for tp in TPS[1:]}
     native = {tp: same(found[("native", 1)], found[("native", tp)]) for tp in TPS[1:]}
     return dict(ok=all(invariant.values()), invariant_bit_identical_to_tp1=invariant,
-                native_bit_identical_to_tp1=native, tensors_compared=2 + len(found[("invariant", 1)]["grads"]))
+                native_bit_identical_to_tp1=native, tensors_compared=2 + len(found[("invariant", 1)]["grads"]),
+                tp1_other_shapes={mode: found[(mode, "shapes")] for mode in ("invariant", "native")})
 
 
-# --- 3. FP32 reductions and FP32 logits on a Llama of hidden size 1024 ------------------------------
+# --- 4. FP32 reductions and FP32 logits on a Llama of hidden size 1024 ------------------------------
 
 
 def _mode(mode: str) -> dict:
     return {"native": {}, "fp32": dict(tp_reduce_dtype="fp32"),
-            "fp32+logits": dict(tp_reduce_dtype="fp32", logits_dtype="fp32")}[mode]
+            "fp32+logits": dict(tp_reduce_dtype="fp32", logits_dtype="fp32"),
+            "tp_invariant": dict(tp_invariant=True)}[mode]
 
 
 def _timed_step(model, batch, device, timing) -> float:
@@ -229,6 +273,7 @@ def _llama_rank(ctx, device: str, sizes: dict, timing: dict):
 
         out = {"logits": {}, "cost": {}}
         batch = _batch(sizes, device)
+        timed = _batch(dict(sizes, batch=timing["batch"]), device)  # enough tokens that the step is not launch-bound
         for tp in TPS:
             ctx = reinit_model_parallel(ctx, tp=tp)
             for mode in LLAMA_MODES:
@@ -240,7 +285,7 @@ def _llama_rank(ctx, device: str, sizes: dict, timing: dict):
                 if tp == 1:  # the cost of each mode against native, one rank doing the work
                     if device == "cuda":
                         torch.cuda.reset_peak_memory_stats()
-                    seconds = _timed_step(model, batch, device, timing)
+                    seconds = _timed_step(model, timed, device, timing)
                     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
                     out["cost"][mode] = dict(step_s=seconds, peak_bytes=peak)
                 del model
@@ -278,7 +323,8 @@ def fp32_llama(device: str, sizes: dict, timing: dict, start: str) -> dict:
                        peak_ratio_vs_native=(c["peak_bytes"] / native["peak_bytes"]) if native["peak_bytes"] else None)
             for mode, c in out["cost"].items()}
     kl = {row["mode"]: row["kl_vs_tp1"] for row in rows if row["tp"] == max(TPS)}
-    return dict(ok=kl["fp32"] < kl["native"] or kl["native"] == 0, rows=rows, cost_at_tp1=cost,
+    return dict(ok=(kl["fp32"] < kl["native"] or kl["native"] == 0) and kl["tp_invariant"] == 0, rows=rows, cost_at_tp1=cost,
+                cost_batch=timing["batch"], cost_samples=timing["samples"],
                 model={k: sizes[k] for k in ("hidden_size", "num_attention_heads", "num_query_groups",
                                              "ffn_hidden_size", "num_layers", "vocab", "seq", "batch")})
 
@@ -324,13 +370,31 @@ def markdown(report: dict) -> str:
             lines.append(f"tp_invariant, TP 2/4 against TP 1 (logits, loss, {section['tensors_compared'] - 2} "
                          f"gradients): {section['invariant_bit_identical_to_tp1']}; native: "
                          f"{section['native_bit_identical_to_tp1']} (expected to differ).")
+            lines.append("")
+            lines.append("At TP 1, the logits of one sequence run alone and of a prefix (half the sequence), against "
+                         "the same positions in the batch (bit-identical?): "
+                         + "; ".join(f"{mode}: alone {v['alone_same']}, prefix {v['prefix_same']}"
+                                     for mode, v in section["tp1_other_shapes"].items())
+                         + ". Reported, not promised: the mode promises TP invariance.")
+        elif name == "batch_invariance":
+            lines += [f"Each row of a BF16 GEMM at R rows against the same row inside the {section['reference_rows']}"
+                      "-row product (bit-identical?). Reported, not promised: the mode promises TP invariance, "
+                      "not batch invariance.", "",
+                      "| K | N | rows | the mode's block of N (K whole) | the mode's block of K | plain BF16 matmul |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {c['k']} | {c['n']} | {c['rows']} | {c['n_block_same']} | {c['k_block_same']} | "
+                      f"{c['plain_same']} |"
+                      for c in section["cases"]]
         elif name == "fp32_llama":
             lines += [f"Model: {section['model']}. FP32 reductions make TP sizes agree; they do not bring "
-                      "BF16 below TP=1's BF16 error (the rel. L2 column at TP=1).", "",
+                      "BF16 below TP=1's BF16 error (the rel. L2 column at TP=1); only tp_invariant promises the "
+                      "same bits at every TP size.", "",
                       "| mode | TP | KL(TP1‖TPN) | max abs dlogit | rel. L2 vs FP32 |", "|---|---|---|---|---|"]
             lines += [f"| {r['mode']} | {r['tp']} | {r['kl_vs_tp1']:.3e} | {r['max_abs_dlogit']:.3e} | "
                       f"{r['rel_l2_vs_fp32']:.4f} |" for r in section["rows"]]
-            lines += ["", "| mode (TP=1) | step (s) | vs native | peak memory vs native |", "|---|---|---|---|"]
+            lines += ["", f"Cost at TP 1: one forward and backward of {section['cost_batch']} sequences of "
+                      f"{section['model']['seq']} tokens, median of {section['cost_samples']} timed steps.", "",
+                      "| mode (TP=1) | step (s) | vs native | peak memory vs native |", "|---|---|---|---|"]
             for mode, c in section["cost_at_tp1"].items():
                 peak = f"{c['peak_ratio_vs_native']:.3f}" if c["peak_ratio_vs_native"] else "n/a (CPU)"
                 lines.append(f"| {mode} | {c['step_s']:.4f} | {c['ratio_vs_native']:.3f} | {peak} |")
@@ -338,11 +402,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _write(out: str, report: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(markdown(report))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes (CI)")
     parser.add_argument("--out", default=".", help="directory for gpu_check.json and gpu_check.md")
-    parser.add_argument("--sections", default="block_gemm,tp_invariant,fp32_llama")
+    parser.add_argument("--sections", default="block_gemm,batch_invariance,tp_invariant,fp32_llama")
     parser.add_argument("--start", default=None, help="run_ranks start method (server or spawn)")
     args = parser.parse_args(argv)
     import torch
@@ -357,9 +429,11 @@ def main(argv=None) -> int:
     args.start = args.start or ("server" if args.dry_run else "spawn")
     started = time.monotonic()
     runners = {"block_gemm": lambda: block_gemm(device, sizes["shapes"]),
+               "batch_invariance": lambda: batch_invariance(device, sizes["rows"]),
                "tp_invariant": lambda: tp_invariant(device, sizes["invariant"], args.start),
                "fp32_llama": lambda: fp32_llama(device, sizes["llama"], sizes["timing"], args.start)}
     sections = {}
+    command = " ".join(["python", "tools/gpu_check.py", *(argv or sys.argv[1:])])
     for name in args.sections.split(","):
         t0 = time.monotonic()
         try:
@@ -369,13 +443,9 @@ def main(argv=None) -> int:
         sections[name]["seconds"] = time.monotonic() - t0
         print(f"gpu_check: {name}: {'ok' if sections[name].get('ok') else 'FAILED'} "
               f"({sections[name]['seconds']:.0f} s)", flush=True)
-    report = dict(dry_run=args.dry_run, command=" ".join(["python", "tools/gpu_check.py", *(argv or sys.argv[1:])]),
-                  seconds=time.monotonic() - started, environment=environment(device), sections=sections)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
-        f.write(markdown(report))
+        # written after every section: a run stopped at its time limit still leaves what it measured
+        _write(args.out, dict(dry_run=args.dry_run, command=command, seconds=time.monotonic() - started,
+                              environment=environment(device), sections=sections))
     print(f"gpu_check: wrote {args.out}/gpu_check.json and gpu_check.md", flush=True)
     return 0 if all(s.get("ok") for s in sections.values()) else 1
 

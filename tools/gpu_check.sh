@@ -2,9 +2,9 @@
 # The GPU check (tools/gpu_check.py) on a device machine that has its own CUDA torch and no network.
 #   bash tools/gpu_check.sh fetch   # here: the wheels it carries into .gpu-wheels/ (megatron-core 0.16.1
 #                                   # and wrapt for CPython 3.11 and 3.12, packaging, megapatch; ~6 MB)
-#   bash tools/gpu_check.sh run     # there: a venv over the image's torch, the wheels, then the check;
+#   bash tools/gpu_check.sh run     # there: the wheels on PYTHONPATH over the image's torch, then the check;
 #                                   # reports in $OUT (the device tool's output folder) or ./gpu_check_out
-# With the device tool: run(command="bash tools/gpu_check.sh run", carry=[".gpu-wheels"], timeout_s=540).
+# With the device tool: run(command="bash tools/gpu_check.sh run", carry=[".gpu-wheels"], timeout_s=360).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheels=.gpu-wheels
@@ -22,12 +22,18 @@ case "${1:-}" in
     python=${PYTHON:-python3}
     tag=$("$python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
     "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
-    venv=/tmp/megapatch-gpu-check-venv
-    rm -rf "$venv" && "$python" -m venv --system-site-packages "$venv"
-    "$venv/bin/pip" install -q --no-index --no-deps "$wheels"/megatron_core-*-"$tag"-*.whl \
-      "$wheels"/wrapt-*-"$tag"-*.whl "$wheels"/packaging-*.whl "$wheels"/megapatch-*.whl
+    # into a folder on PYTHONPATH, not a venv: the image's python3 is itself a venv, and a venv made
+    # from it with --system-site-packages would see the base interpreter's packages, not its torch
+    site=/tmp/megapatch-gpu-check-site
+    rm -rf "$site" && "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+      "$wheels"/megatron_core-*-"$tag"-*.whl "$wheels"/wrapt-*-"$tag"-*.whl "$wheels"/packaging-*.whl \
+      "$wheels"/megapatch-*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     out=${OUT:-gpu_check_out}
-    "$venv/bin/python" tools/gpu_check.py --out "$out" || echo "gpu_check: a section failed (see $out/gpu_check.md)"
+    mkdir -p "$out"
+    PYTHONUNBUFFERED=1 "$python" tools/gpu_check.py --out "$out" "${@:2}" >"$out/gpu_check.log" 2>&1 \
+      || echo "gpu_check: a section failed (see $out/gpu_check.md; the whole log: $out/gpu_check.log)"
+    grep '^gpu_check:' "$out/gpu_check.log" || tail -40 "$out/gpu_check.log"
     cat "$out/gpu_check.md" ;;
   *) echo "usage: bash tools/gpu_check.sh fetch|run" >&2; exit 2 ;;
 esac
