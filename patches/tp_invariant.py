@@ -138,7 +138,8 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     allreduce_dgrad = argument(args, kwargs, 4, "allreduce_dgrad", False)
     if expert:  # the token dispatcher gathered the input over expert TP and sums the dgrad there
         allreduce_dgrad = True
-    elif tpi.group_size(group) > 1 and not (allreduce_dgrad or sequence_parallel):
+    elif (tpi.group_size(group) > 1 and not (allreduce_dgrad or sequence_parallel)
+          and torch.is_grad_enabled() and input_.requires_grad):  # no dgrad, nothing to reduce (inference)
         _refuse("a column-parallel layer whose dgrad is reduced outside it",
                 "that reduction would sum TP partials natively")
     if sequence_parallel and tpi.group_size(group) > 1:

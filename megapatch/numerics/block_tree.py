@@ -143,6 +143,23 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+#: CPU FP32 GEMMs give a row other bits at 1-3, 5-7 and 9-11 rows than inside a product of more
+#: rows (from 12 on, and at 4 and 8, they agree): a dense layer's forward on fewer token rows runs
+#: on zero-padded rows, so that a decode step's few rows (one a request) get the bits the trainer's
+#: micro-batch gives them. GPU libraries choose kernels by row count in other ways (results/gpu_check.md).
+MIN_TOKEN_ROWS = 16
+
+
+def token_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``product(a, b)`` for ``a`` = token rows, with the same bits for a row at any row count (CPU)."""
+    rows = a.shape[0]
+    if rows >= MIN_TOKEN_ROWS or a.device.type != "cpu":
+        return product(a, b)
+    padded = a.new_zeros((MIN_TOKEN_ROWS, *a.shape[1:]))
+    padded[:rows] = a
+    return product(padded, b)[:rows]
+
+
 def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Pairwise sum of a power-of-two number of tensors: adjacent pairs, level by level."""
     parts = list(parts)
@@ -318,7 +335,7 @@ class ColumnParallel(torch.autograd.Function):
         outs = []
         for sl in column_blocks(weight.shape[0], nb, halves)[0]:
             w = operand(weight[sl]).t()
-            out = (product(x2, w) if sources is None
+            out = (token_product(x2, w) if sources is None
                    else _by_source(lambda rows: product(operand(xs[rows]), w), sources, xs.shape[0]))
             if bias is not None:
                 out = out + f32(bias[sl])
@@ -383,7 +400,8 @@ class RowParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.nb, ctx.sources, ctx.param = nb, sources, weight
         x2 = x.reshape(-1, x.shape[-1])
-        partials = [_by_source(lambda rows, sl=sl: product(operand(x2[rows, sl]), operand(weight[:, sl]).t()),
+        gemm = token_product if sources is None else product  # an expert's rows: see token_product
+        partials = [_by_source(lambda rows, sl=sl: gemm(operand(x2[rows, sl]), operand(weight[:, sl]).t()),
                                sources, x2.shape[0]).view(*x.shape[:-1], weight.shape[0])
                     for sl in slices(weight.shape[1], nb)]
         out = _owned(invariant_sum(partials, group, x.dtype))

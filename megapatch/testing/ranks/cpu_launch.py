@@ -96,7 +96,10 @@ def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
     return script
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[List[str]] = None, extra: tuple = ()) -> None:
+    """``extra``: more :class:`~megapatch.testing.stand_ins.cpu_compat.Workaround` s, applied as
+    Megatron-LM's own are (when their module is imported), e.g. Megatron RL's
+    (:mod:`megapatch.testing.ranks.rl_launch`)."""
     from megapatch.testing.ranks import rank_server
 
     rank_server.forward()  # under $MPTEST_RANK_SERVER: this process's __main__ runs as its child
@@ -113,11 +116,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
     from megapatch.testing.stand_ins.megatron_lm_compat import megatron_lm_workarounds
 
-    extra, scope = (), contextlib.nullcontext()
+    scope = contextlib.nullcontext()
     if bridge:
         from megapatch.testing.stand_ins import bridge_compat
 
-        extra, scope = bridge_compat.TRAINING_WORKAROUNDS, bridge_compat.bridge_without_te()
+        extra, scope = (*extra, *bridge_compat.TRAINING_WORKAROUNDS), bridge_compat.bridge_without_te()
     try:
         with scope, megatron_lm_workarounds(extra), cpu_workarounds():
             runpy.run_path(script, run_name="__main__")
@@ -152,6 +155,9 @@ def _leave(code: int) -> None:
         child.terminate()
     for child in children:
         child.join(timeout=10)
+    for child in children:  # one that ignores SIGTERM (Megatron RL's inference coordinator, a zmq loop)
+        if child.is_alive():
+            child.kill()
     os._exit(code)
 
 

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
@@ -188,18 +190,44 @@ def launch_command(checkout: Path, command: Sequence[str], *,
     :func:`launch_env`'s environment; the whole process group is killed at ``timeout``."""
     env = launch_env(dict(megapatch_env or {}))
     env.update(extra_env or {})
+    marker = env[LAUNCH_MARKER] = uuid.uuid4().hex
     command = list(command)
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=str(checkout), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    chunks: List[str] = []
+    reader = threading.Thread(target=lambda: chunks.append(process.stdout.read()), daemon=True)
+    reader.start()
     timed_out = False
     try:
-        log, _ = process.communicate(timeout=timeout)
+        process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
         _kill_tree(process.pid)
-        log, _ = process.communicate()
-    return Run(command, process.returncode, log, time.monotonic() - start, timed_out)
+        process.wait()
+    # what outlived the job still holds its output open: a process a rank started that no
+    # launcher ended (Megatron RL's inference coordinator, when torchrun stopped its rank)
+    _kill_marked(marker)
+    reader.join(timeout=60)
+    return Run(command, process.returncode, "".join(chunks), time.monotonic() - start, timed_out)
+
+
+#: set to a fresh value in each launch's environment, which the processes it starts inherit
+LAUNCH_MARKER = "MPTEST_LAUNCH"
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process of this user whose environment carries ``LAUNCH_MARKER=marker``."""
+    needle = f"{LAUNCH_MARKER}={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
 
 
 def _descendants(pid: int) -> List[int]:
