@@ -657,13 +657,23 @@ def _described(refusals) -> str:
     return "; ".join(f"does not support {what}: {why}" for what, why in refusals) or None
 
 
-def _check_config(config) -> None:
+def _check_config(config, pg_collection=None) -> None:
     # in a Megatron-LM job every stage's block refuses its padded vocabulary, naming the flags,
     # and (sequence parallelism) a --seq-length W does not divide, as the doctor does from the flags
     refusals = _config_refusals(config, block_shapes.megatron_lm_vocabulary(),
-                                block_shapes.megatron_lm_sequence_length(config), _expert_layout())
+                                block_shapes.megatron_lm_sequence_length(config),
+                                _collection_layout(pg_collection) or _expert_layout())
     if refusals:
         _refuse(*refusals[0])
+
+
+def _collection_layout(pg_collection):
+    """``(EP, expert TP)`` of the process groups a block is built with, where it is given its own
+    (Megatron RL's rollout model at another TP/EP size than the trainer's parallel state)."""
+    ep, etp = (getattr(pg_collection, name, None) for name in ("ep", "expt_tp"))
+    if ep is None or etp is None:
+        return None
+    return ep.size(), etp.size()
 
 
 def _expert_layout():
@@ -703,7 +713,7 @@ def _block_init(wrapped, instance, args, kwargs):
     if not tpi.active():
         return wrapped(*args, **kwargs)
     config = argument(args, kwargs, 0, "config")
-    _check_config(config)
+    _check_config(config, kwargs.get("pg_collection"))
     result = wrapped(*args, **kwargs)
     for name, module in instance.named_modules():
         _refuse_te(module)

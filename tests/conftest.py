@@ -29,9 +29,17 @@ def surface_refusals(prefix: str) -> tuple:
     """Why the installed upstream cannot take the patches named ``prefix``* (the reasons `megapatch
     doctor` shows as INCOMPATIBLE); empty where it can. The version matrix runs each patch's tests
     on every pinned version: where this is not empty they skip with it and the refusal is tested."""
+    import importlib.util
+
     from megapatch.core import engine
 
-    return tuple(f"{p.name}: {reason}" for p in engine.patches() if p.name.startswith(prefix)
+    def importable(patch):  # megatron.rl's patches: a Megatron-LM checkout's module, absent here
+        try:
+            return importlib.util.find_spec(patch.hook.rpartition(".")[0]) is not None
+        except ImportError:
+            return False
+
+    return tuple(f"{p.name}: {reason}" for p in engine.patches() if p.name.startswith(prefix) and importable(p)
                  for reason in engine.check(p))
 
 

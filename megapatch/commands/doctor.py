@@ -131,8 +131,11 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
             row["problems"].append(error)
         row["opted_out"] = bool(patch.left_out(settings.skip_patches))
     top = patch.hook.split(".")[0]
+    package = patch.hook.rpartition(".")[0] or top
     if not _findable(top):
         row["problems"].append(f"{top} is not installed")
+    elif not _findable(package):  # megatron.rl: a Megatron-LM checkout's, not megatron-core's
+        row["absent"] = package
     else:
         problems, error = _guard(f"checking {patch.name}", lambda: engine.check(patch), [])
         row["problems"] += problems + ([error] if error else [])
@@ -152,6 +155,8 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
     elif row["upstream"] == "compatible":
         row["would_install"] = True
         row["why"] = f"installs when {patch.hook} is imported"
+    elif row.get("absent"):
+        row["why"] = f"{row['absent']} is not importable here: installs when a job imports {patch.hook}"
     elif row["upstream"] == "n/a":
         row["why"] = "upstream package not installed: nothing to patch"
     else:

@@ -19,7 +19,9 @@ from megapatch.core.registry import Target
 from megapatch.core.upstream_versions import version_of
 
 LOCK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "surface_lock")
-_PACKAGE_OF_MODULE = (("megatron", "megatron-core"), ("transformer_engine", "transformer-engine"),
+# megatron.rl ships in Megatron-LM's checkout, not in the megatron-core wheel the locks are taken from:
+# its targets are checked where a job imports them (the surface check at install), not locked
+_PACKAGE_OF_MODULE = (("megatron.rl", "megatron-lm"), ("megatron", "megatron-core"), ("transformer_engine", "transformer-engine"),
                       ("torch", "torch"))
 
 

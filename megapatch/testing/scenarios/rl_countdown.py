@@ -4,7 +4,10 @@
 whose tasks are generated from a seed instead of read from a Hugging Face dataset (no hub here).
 
 Named in ``--langrl-env-config`` as ``megapatch.testing.scenarios.rl_countdown.SyntheticCountdownAgent``;
-imported by Megatron RL's agent loader inside ``train_rl.py`` (it needs ``megatron.rl``)."""
+imported by Megatron RL's agent loader inside ``train_rl.py`` (it needs ``megatron.rl``). The
+reward adds a small shaping term to upstream's score (see ``get_reward``), so that a tiny untrained
+model's rollouts differ in reward and each GRPO step has a gradient: rewards are not the point here,
+the train-vs-rollout log-prob mismatch is."""
 
 from __future__ import annotations
 
@@ -40,4 +43,7 @@ class SyntheticCountdownAgent(RewardOnlyAgent):
     async def get_reward(self, response: str, golden: Any) -> float:
         from examples.rl.environments.countdown.countdown import compute_score
 
-        return compute_score(response, golden)
+        # upstream's score, plus a shaping term (the share of digits in the response, at most 0.05): an
+        # untrained model never closes an <answer> tag, so every rollout of a group would score 0,
+        # every advantage would be 0 and GRPO's policy gradient with it
+        return compute_score(response, golden) + 0.05 * sum(c.isdigit() for c in response) / max(len(response), 1)

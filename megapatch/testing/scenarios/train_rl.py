@@ -50,7 +50,7 @@ def env_config(path) -> Path:
 
 def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: int = 1,
           rollout_ep: Optional[int] = None, moe: bool = False, iters: int = 3, prompts: int = 2,
-          group: int = 2, micro_batch: int = 1, sequence_parallel: bool = True,
+          group: int = 4, micro_batch: int = 2, sequence_parallel: bool = True,
           extra: Sequence[str] = ()) -> List[str]:
     """``train_rl.py``'s flags: a tiny Qwen3-shaped model (QK RMSNorm, SwiGLU, GQA, RoPE; with
     ``moe`` 4 experts top-2, alltoall dispatcher), GRPO with ``prompts`` x ``group`` rollouts a
@@ -63,7 +63,7 @@ def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: 
            "--untie-embeddings-and-output-weights",
            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
            "--micro-batch-size", str(micro_batch), "--global-batch-size", str(prompts * group),
-           "--train-iters", str(iters), "--lr", "1e-4", "--min-lr", "1e-4", "--lr-decay-style", "constant",
+           "--train-iters", str(iters), "--lr", "1e-2", "--min-lr", "1e-2", "--lr-decay-style", "constant",
            "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0",
            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer),
            "--make-vocab-size-divisible-by", "32",
@@ -80,10 +80,7 @@ def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: 
            "--inference-dynamic-batching-block-size", "16",
            "--inference-dynamic-batching-max-requests", "8",
            "--inference-dynamic-batching-max-tokens", "512",
-           "--rl-default-temperature", "1.0",
-           # the countdown reward is 0 for every rollout of an untrained model, and so every advantage:
-           # an entropy term gives each step a gradient, so that refits carry changed weights
-           "--grpo-entropy-term-weight", "0.01"]
+           "--rl-default-temperature", "1.0"]
     if tp > 1 and sequence_parallel:
         out.append("--sequence-parallel")
     if rollout_tp is not None and rollout_tp != tp:
@@ -94,6 +91,8 @@ def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: 
                 "--expert-model-parallel-size", str(ep)]
         if rollout_ep is not None and rollout_ep != ep:
             out += ["--rl-inference-expert-model-parallel-size", str(rollout_ep)]
+        if rollout_tp is not None and rollout_tp != tp:  # expert TP follows the rollout's TP (as the trainer's does)
+            out += ["--rl-inference-expert-tensor-model-parallel-size", str(rollout_tp)]
     return out + list(extra)
 
 

@@ -36,7 +36,8 @@ STATS_ENV = "MPTEST_RL_STATS"
 # update_inference_logprobs_group_stats fills, and the rollouts' own summary
 STATS_FIELDS = ("min_piold_to_inf_prob", "max_piold_to_inf_prob", "mean_piold_to_inf_prob",
                 "min_inf_train_prob_abs_diff", "max_inf_train_prob_abs_diff", "mean_inf_train_prob_abs_diff",
-                "min_inf_prob", "max_inf_prob", "mean_inf_prob", "mean_reward", "mean_length")
+                "min_inf_prob", "max_inf_prob", "mean_inf_prob", "mean_reward", "mean_length", "rewards",
+                "advantages")
 
 
 def _unpacked_default(_original):

@@ -1,0 +1,73 @@
+"""Megatron-LM's own ``train_rl.py`` (core_v0.16.1) on CPU ranks: Megatron RL's logged train-vs-rollout
+log-prob mismatch per megapatch mode and trainer/rollout layout (results/train_rl.md).
+
+    python benchmarks/train_rl.py [--megatron-lm DIR] [--iters 3] [--layouts 2/1,4/2,1/2]
+                                  [--modes ...] [--no-sequence-parallel]
+
+A tiny dense Qwen3-shaped model (QK RMSNorm, SwiGLU, GQA), GRPO, 2 prompts x 4 rollouts a step in
+micro-batches of 2, the rollouts on the dynamic engine at the rollout TP size and a refit before
+each step's rollouts (``megapatch.testing.scenarios.train_rl``). The figures are what ``train_rl.py``
+hands its loggers (upstream's ``update_inference_logprobs_group_stats``), recorded per step by
+``megapatch.testing.stand_ins.rl_compat``; each cell is the worst of the job's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = {"native": {}, "fp32": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"},
+         "FP32 logits": {"MEGAPATCH_LOGITS_DTYPE": "fp32"},
+         "fp32 + FP32 logits": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32"},
+         "tp_invariant + FP32 logits": {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_LOGITS_DTYPE": "fp32"}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--megatron-lm", help="a Megatron-LM checkout (default: the pinned core_v0.16.1 tarball)")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--layouts", default="2/1,4/2,1/2", help="trainer TP / rollout TP, comma-separated")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
+    parser.add_argument("--no-sequence-parallel", action="store_true",
+                        help="the trainer without --sequence-parallel (default: on at TP > 1)")
+    args = parser.parse_args(argv)
+    from megapatch.testing.ranks import megatron_lm_runs as mlm
+    from megapatch.testing.scenarios import train_rl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkout = Path(args.megatron_lm) if args.megatron_lm else mlm.pinned_checkout(root / "src")
+        print("| trainer TP / rollout TP | mode | max abs(p_train - p_inf) | mean abs(p_train - p_inf) | "
+              "min / max p_train / p_inf | grad norms | wall (s) |")
+        print("|---|---|---|---|---|---|---|")
+        layouts = [tuple(int(x) for x in layout.split("/")) for layout in args.layouts.split(",")]
+        for tp, rollout_tp in layouts:
+            for mode in args.modes.split(","):
+                env = MODES[mode]
+                start = time.monotonic()
+                job, steps = train_rl.run(checkout, root, nproc=max(tp, rollout_tp), tp=tp, rollout_tp=rollout_tp,
+                                          iters=args.iters, megapatch_env=env, name=f"{tp}-{rollout_tp}",
+                                          sequence_parallel=not args.no_sequence_parallel)
+                wall = time.monotonic() - start
+                if job.returncode != 0 or len(steps) != args.iters:
+                    print(f"| {tp} / {rollout_tp} | {mode} | failed (exit {job.returncode}) | | | | {wall:.0f} |")
+                    print(job.tail(3000), file=sys.stderr)
+                    continue
+                worst = max(s["max_inf_train_prob_abs_diff"] for s in steps)
+                mean = max(s["mean_inf_train_prob_abs_diff"] for s in steps)
+                low = min(s["min_piold_to_inf_prob"] for s in steps)
+                high = max(s["max_piold_to_inf_prob"] for s in steps)
+                norms = ", ".join(re.findall(r"grad norm: ([0-9.]+)", job.log))
+                print(f"| {tp} / {rollout_tp} | {mode} | {worst:.3g} | {mean:.3g} | {low:.7g} / {high:.7g} | "
+                      f"{norms} | {wall:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Megatron-LM's own ``train_rl.py`` (GRPO: rollouts on the dynamic engine, refit, train), unmodified,
+on CPU ranks under ``torchrun -m megapatch.testing.ranks.rl_launch``, megapatch switched on by
+``MEGAPATCH_*`` only. The mismatch figures are upstream's own (``update_inference_logprobs_group_stats``,
+recorded from what ``train_rl.py`` hands its loggers: ``megapatch.testing.stand_ins.rl_compat``).
+
+The trainer runs at TP 2 and the rollouts at TP 1 (``--rl-inference-tensor-model-parallel-size``),
+with a refit of the trained weights before every step's rollouts."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from megapatch.testing.ranks import megatron_lm_runs as mlm
+
+TARBALL = Path(os.environ.get("MEGATRON_LM_TARBALLS", Path(REPO).parent / "shared" / "megatron-lm")) \
+    / mlm.TARBALLS["core_v0.16.1"]
+ZERO_MODE = {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_LOGITS_DTYPE": "fp32"}
+_runs = {}
+
+
+@pytest.fixture(scope="module")
+def rl_checkout(tmp_path_factory):
+    import importlib.util
+
+    missing = mlm.missing_training_modules() + [m for m in ("wandb", "tensorboard", "zmq", "msgpack", "tokenizers",
+                                                            "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's train_rl.py needs {', '.join(missing)} (the `rl` and `llama` extras)")
+    if not TARBALL.is_file():
+        pytest.skip(f"no Megatron-LM source: {TARBALL} is absent")
+    root = tmp_path_factory.mktemp("train-rl")
+    return mlm.unpack(TARBALL, root / "src"), root
+
+
+def _run(rl_checkout, name, megapatch_env, **flags):
+    from megapatch.testing.scenarios import train_rl
+
+    if name not in _runs:
+        checkout, root = rl_checkout
+        _runs[name] = train_rl.run(checkout, root, nproc=2, tp=2, rollout_tp=1, iters=3, timeout=600,
+                                   megapatch_env=megapatch_env, name=name, **flags)
+    return _runs[name]
+
+
+def _grad_norms(job):
+    return [float(v) for v in re.findall(r"grad norm: ([0-9.]+)", job.log)]
+
+
+def _mismatch(step):
+    return (step["max_inf_train_prob_abs_diff"], step["min_piold_to_inf_prob"], step["max_piold_to_inf_prob"])
+
+
+@pytest.mark.slow
+@pytest.mark.quick("tp_invariant.rl_logprobs", "logits.fp32_rl_logprobs")
+def test_train_rl_logs_zero_train_vs_rollout_mismatch_at_trainer_tp2_rollout_tp1_under_tp_invariant(rl_checkout):
+    """tp_invariant + FP32 logits: every step's logged mismatch is exactly 0 (max |p_train - p_inf|
+    0, the ratio's min and max 1) with the trainer at TP 2 and the rollouts at TP 1, over 3 GRPO
+    steps that train (non-zero grad norms: the refits carry changed weights). Natively the same job
+    logs a mismatch at every step."""
+    job, steps = _run(rl_checkout, "dense-zero", ZERO_MODE)
+    assert job.returncode == 0, job.tail()
+    assert job.log.count("megapatch enabled:") == 1, "the activation line, once per job"
+    assert len(steps) == 3, steps
+    assert [_mismatch(s) for s in steps] == [(0.0, 1.0, 1.0)] * 3, steps
+    assert all(s["mean_inf_prob"] > 0 for s in steps)  # the statistics were taken
+    norms = _grad_norms(job)
+    assert len(norms) == 3 and all(n > 0 for n in norms), norms
+
+    native, native_steps = _run(rl_checkout, "dense-native", {})
+    assert native.returncode == 0, native.tail()
+    assert "megapatch enabled:" not in native.log
+    assert len(native_steps) == 3 and all(s["max_inf_train_prob_abs_diff"] > 0 for s in native_steps), native_steps
+
+
+def test_the_trainers_log_probs_under_tp_invariant_are_the_engines_arithmetic():
+    """tp_invariant.rl_logprobs: the trainer's log-probs of a [batch, sequence, vocab] block equal,
+    bit for bit, what the dynamic engine computes for the same rows laid out [tokens, vocab]
+    (``DynamicInferenceContext.calculate_log_probs``: an FP32 log_softmax); upstream's FP32 formula
+    (``x - logsumexp(x)``) does not, on these inputs, so the patch is what makes the logged
+    mismatch exactly 0."""
+    from megapatch.patches.tp_invariant_rl_logprobs import engine_log_probs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 17, 500, generator=gen) * 4).float()
+    index = torch.randint(0, 500, (3, 17), generator=gen)
+    engine = torch.nn.functional.log_softmax(logits.reshape(-1, 500).float(), dim=-1)
+    engine = engine[torch.arange(51), index.reshape(-1)].view(3, 17)
+    ours = engine_log_probs(logits, index)
+    assert ours.dtype == torch.float32 and torch.equal(ours, engine)
+    upstream = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.stack([torch.logsumexp(r, -1) for r in logits])
+    assert not torch.equal(upstream, engine)
+    bf16 = logits.bfloat16()
+    assert engine_log_probs(bf16, index).dtype == torch.bfloat16  # the training dtype upstream asserts
+
+
+def test_a_dense_layers_forward_rows_have_the_same_bits_at_any_row_count():
+    """block_tree.token_product: a row of a decode step (one row a request, 1-11 rows) gets the bits
+    it gets inside a long micro-batch; without the padding CPU FP32 GEMMs give other bits at 1-3,
+    5-7 and 9-11 rows (the precondition below)."""
+    from megapatch.numerics.block_tree import operand, product, token_product
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 96, generator=gen).bfloat16()
+    w = operand(torch.randn(40, 96, generator=gen).bfloat16()).t()
+    full = product(operand(x), w)
+    assert any(not torch.equal(product(operand(x[:r]), w), full[:r]) for r in (1, 2, 3, 5, 6, 7))
+    for rows in range(1, 20):
+        assert torch.equal(token_product(operand(x[:rows]), w), full[:rows]), rows
