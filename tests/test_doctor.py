@@ -177,6 +177,9 @@ def test_status_says_what_the_environment_would_do():
     assert inference.split()[1:5] == ["yes", "yes", "compatible", "no"] and "opted out" in inference
     tp = next(l for l in lines if l.startswith("tp_reduce.megatron_core "))
     assert tp.split()[1] == "no" and "not requested" in tp
+    # megatron.rl ships with a Megatron-LM checkout, not megatron-core: no verdict without it, no stop
+    rl = next(l for l in lines if l.startswith("logits.fp32_rl_logprobs "))
+    assert "INCOMPATIBLE" not in rl and "megatron.rl is not importable here" in rl, rl
 
 
 def test_status_and_doctor_do_not_print_the_activation_line():

@@ -315,7 +315,7 @@ def _column_call(group_size, **kw):
     (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion"),
     (dict(grad_output_buffer=[]), "defer_embedding_wgrad_compute"),
     (dict(config=SimpleNamespace(num_query_groups=1)), "num_query_groups=1"),
-    (dict(allreduce_dgrad=False), "reduced outside it"),
+    (dict(allreduce_dgrad=False, input=_small((3, 4), 21).bfloat16().requires_grad_()), "reduced outside it"),
 ])
 def test_column_layers_refuse_what_the_mode_cannot_cover(invariant, setting, what):
     from megapatch.core.errors import UnsupportedConfigurationError
@@ -323,6 +323,20 @@ def test_column_layers_refuse_what_the_mode_cannot_cover(invariant, setting, wha
     assert _column_call(2) is not None  # the same call without the setting goes through
     with pytest.raises(UnsupportedConfigurationError, match=what):
         _column_call(2, **setting)
+
+
+def test_a_column_layer_whose_dgrad_is_reduced_elsewhere_runs_where_no_gradient_is_taken(invariant):
+    """Megatron RL's rollouts run the trainer's model with sequence parallelism switched off: its
+    output layer then arrives with neither SP nor its dgrad all-reduce. Without a gradient (no_grad,
+    or an input that needs none) there is no dgrad to reduce, so the mode does not refuse it."""
+    from megapatch.core.errors import UnsupportedConfigurationError
+
+    needs_grad = _small((3, 4), 21).bfloat16().requires_grad_()
+    assert _column_call(2, allreduce_dgrad=False) is not None
+    with torch.no_grad():
+        assert _column_call(2, allreduce_dgrad=False, input=needs_grad) is not None
+    with pytest.raises(UnsupportedConfigurationError, match="reduced outside it"):
+        _column_call(2, allreduce_dgrad=False, input=needs_grad)
 
 
 @pytest.mark.parametrize("positional,what", [

@@ -110,3 +110,19 @@ def test_a_dense_layers_forward_rows_have_the_same_bits_at_any_row_count():
     assert any(not torch.equal(product(operand(x[:r]), w), full[:r]) for r in (1, 2, 3, 5, 6, 7))
     for rows in range(1, 20):
         assert torch.equal(token_product(operand(x[:rows]), w), full[:rows]), rows
+
+
+def test_a_launch_returns_when_its_job_ends_though_a_process_it_left_holds_the_output(tmp_path):
+    """A rank's child that outlives the job (Megatron RL's inference coordinator, when torchrun
+    stopped its rank) keeps the job's output pipe open: the launch ends it and returns the log,
+    instead of waiting on it until its own timeout (and then for ever)."""
+    import sys
+
+    pid_file = tmp_path / "pid"
+    orphan = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(300)'], start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid)); print('done')")
+    run = mlm.launch_command(tmp_path, [sys.executable, "-c", orphan, str(pid_file)], timeout=240)
+    assert run.returncode == 0 and "done" in run.log and not run.timed_out
+    assert run.seconds < 120, run.seconds  # the orphan sleeps 300 s: the launch did not wait for it
+    pid = int(pid_file.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
