@@ -76,6 +76,22 @@ def test_train_rl_logs_zero_train_vs_rollout_mismatch_at_trainer_tp2_rollout_tp1
     assert len(native_steps) == 3 and all(s["max_inf_train_prob_abs_diff"] > 0 for s in native_steps), native_steps
 
 
+@pytest.mark.slow
+def test_train_rl_with_experts_logs_zero_mismatch_at_trainer_tp2_rollout_tp1_under_tp_invariant(rl_checkout):
+    """The same for a Qwen3-MoE-shaped model (4 experts top-2, alltoall dispatcher, expert TP = TP):
+    exactly 0 under tp_invariant + FP32 logits, a mismatch natively."""
+    moe = dict(moe=True, ep=1, rollout_ep=1)
+    job, steps = _run(rl_checkout, "moe-zero", ZERO_MODE, **moe)
+    assert job.returncode == 0, job.tail()
+    assert "tp_invariant.moe" in job.log and job.log.count("megapatch enabled:") == 1
+    assert [_mismatch(s) for s in steps] == [(0.0, 1.0, 1.0)] * 3, steps
+    norms = _grad_norms(job)
+    assert len(norms) == 3 and all(n > 0 for n in norms), norms
+    native, native_steps = _run(rl_checkout, "moe-native", {}, **moe)
+    assert native.returncode == 0, native.tail()
+    assert len(native_steps) == 3 and all(s["max_inf_train_prob_abs_diff"] > 0 for s in native_steps), native_steps
+
+
 def test_the_trainers_log_probs_under_tp_invariant_are_the_engines_arithmetic():
     """tp_invariant.rl_logprobs: the trainer's log-probs of a [batch, sequence, vocab] block equal,
     bit for bit, what the dynamic engine computes for the same rows laid out [tokens, vocab]

@@ -73,26 +73,12 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, Tuple
 
-from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround
+from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround, cpu_side_stream, cpu_stream_context
 
 __all__ = ["megatron_lm_workarounds", "WORKAROUNDS", "TYPE_REPORT"]
 
 
 # --- torch.cuda stand-ins ----------------------------------------------------------------------
-
-
-def _cpu_stream_class(_original):
-    # torch.cpu.Stream: wait_stream / wait_event / record_event order nothing, since every CPU op
-    # has finished when its Python call returns
-    import torch
-
-    return torch.cpu.Stream
-
-
-def _cpu_stream_context(_original):
-    import torch
-
-    return torch.cpu.stream
 
 
 def _cpu_get_rng_state(_original):
@@ -256,9 +242,10 @@ def _skip(original):
 _INITIALIZE = "megatron.training.initialize"
 
 WORKAROUNDS: Tuple[Workaround, ...] = (
-    Workaround("torch.cuda", "Stream", "torch.cuda.Stream() (DDP side stream in get_model)",
-               _cpu_stream_class),
-    Workaround("torch.cuda", "stream", "with torch.cuda.stream(ddp_stream):", _cpu_stream_context),
+    # the same stand-ins as cpu_compat's (whichever is applied last wins: a launcher that enters the
+    # dynamic engine's stand-ins first applies these after): events recorded on them are complete
+    Workaround("torch.cuda", "Stream", "torch.cuda.Stream() (DDP side stream in get_model)", cpu_side_stream),
+    Workaround("torch.cuda", "stream", "with torch.cuda.stream(ddp_stream):", cpu_stream_context),
     Workaround("torch.cuda", "get_rng_state", "torch.cuda.get_rng_state() in RerunStateMachine",
                _cpu_get_rng_state),
     Workaround("torch.cuda", "set_rng_state", "torch.cuda.set_rng_state() in RerunStateMachine",
