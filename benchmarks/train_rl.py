@@ -2,7 +2,7 @@
 log-prob mismatch per megapatch mode and trainer/rollout layout (results/train_rl.md).
 
     python benchmarks/train_rl.py [--megatron-lm DIR] [--iters 3] [--layouts 2/1,4/2,1/2]
-                                  [--modes ...] [--no-sequence-parallel]
+                                  [--modes ...] [--moe] [--no-sequence-parallel]
 
 A tiny dense Qwen3-shaped model (QK RMSNorm, SwiGLU, GQA), GRPO, 2 prompts x 4 rollouts a step in
 micro-batches of 2, the rollouts on the dynamic engine at the rollout TP size and a refit before
@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--layouts", default="2/1,4/2,1/2", help="trainer TP / rollout TP, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
+    parser.add_argument("--moe", action="store_true",
+                        help="the Qwen3-MoE-shaped model (4 experts top-2, alltoall) at EP 1 on both sides")
     parser.add_argument("--no-sequence-parallel", action="store_true",
                         help="the trainer without --sequence-parallel (default: on at TP > 1)")
     args = parser.parse_args(argv)
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
                 start = time.monotonic()
                 job, steps = train_rl.run(checkout, root, nproc=max(tp, rollout_tp), tp=tp, rollout_tp=rollout_tp,
                                           iters=args.iters, megapatch_env=env, name=f"{tp}-{rollout_tp}",
-                                          sequence_parallel=not args.no_sequence_parallel)
+                                          sequence_parallel=not args.no_sequence_parallel,
+                                          **(dict(moe=True, ep=1, rollout_ep=1) if args.moe else {}))
                 wall = time.monotonic() - start
                 if job.returncode != 0 or len(steps) != args.iters:
                     print(f"| {tp} / {rollout_tp} | {mode} | failed (exit {job.returncode}) | | | | {wall:.0f} |")

@@ -713,7 +713,8 @@ def _block_init(wrapped, instance, args, kwargs):
     if not tpi.active():
         return wrapped(*args, **kwargs)
     config = argument(args, kwargs, 0, "config")
-    _check_config(config, kwargs.get("pg_collection"))
+    # TransformerBlock(config, spec, post_layer_norm, pre_process, post_process, pg_collection, ...)
+    _check_config(config, argument(args, kwargs, 5, "pg_collection", None))
     result = wrapped(*args, **kwargs)
     for name, module in instance.named_modules():
         _refuse_te(module)

@@ -29,17 +29,13 @@ def surface_refusals(prefix: str) -> tuple:
     """Why the installed upstream cannot take the patches named ``prefix``* (the reasons `megapatch
     doctor` shows as INCOMPATIBLE); empty where it can. The version matrix runs each patch's tests
     on every pinned version: where this is not empty they skip with it and the refusal is tested."""
-    import importlib.util
-
+    from megapatch.commands.doctor import _findable
     from megapatch.core import engine
 
-    def importable(patch):  # megatron.rl's patches: a Megatron-LM checkout's module, absent here
-        try:
-            return importlib.util.find_spec(patch.hook.rpartition(".")[0]) is not None
-        except ImportError:
-            return False
-
-    return tuple(f"{p.name}: {reason}" for p in engine.patches() if p.name.startswith(prefix) and importable(p)
+    # a patch whose hook package is absent (megatron.rl, a Megatron-LM checkout's) has no verdict
+    # here, as doctor says: it is checked where a job imports it
+    return tuple(f"{p.name}: {reason}" for p in engine.patches()
+                 if p.name.startswith(prefix) and _findable(p.hook_package)
                  for reason in engine.check(p))
 
 

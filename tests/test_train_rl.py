@@ -6,18 +6,15 @@ recorded from what ``train_rl.py`` hands its loggers: ``megapatch.testing.stand_
 The trainer runs at TP 2 and the rollouts at TP 1 (``--rl-inference-tensor-model-parallel-size``),
 with a refit of the trained weights before every step's rollouts."""
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import pinned_megatron_lm
 from megapatch.testing.ranks import megatron_lm_runs as mlm
 
-TARBALL = Path(os.environ.get("MEGATRON_LM_TARBALLS", Path(REPO).parent / "shared" / "megatron-lm")) \
-    / mlm.TARBALLS["core_v0.16.1"]
 ZERO_MODE = {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_LOGITS_DTYPE": "fp32"}
 _runs = {}
 
@@ -26,14 +23,11 @@ _runs = {}
 def rl_checkout(tmp_path_factory):
     import importlib.util
 
-    missing = mlm.missing_training_modules() + [m for m in ("wandb", "tensorboard", "zmq", "msgpack", "tokenizers",
-                                                            "transformers") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("wandb", "tensorboard", "zmq", "msgpack", "tokenizers", "transformers")
+               if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"Megatron-LM's train_rl.py needs {', '.join(missing)} (the `rl` and `llama` extras)")
-    if not TARBALL.is_file():
-        pytest.skip(f"no Megatron-LM source: {TARBALL} is absent")
-    root = tmp_path_factory.mktemp("train-rl")
-    return mlm.unpack(TARBALL, root / "src"), root
+    return pinned_megatron_lm(tmp_path_factory), tmp_path_factory.mktemp("train-rl")
 
 
 def _run(rl_checkout, name, megapatch_env, **flags):

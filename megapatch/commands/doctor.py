@@ -131,11 +131,10 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
             row["problems"].append(error)
         row["opted_out"] = bool(patch.left_out(settings.skip_patches))
     top = patch.hook.split(".")[0]
-    package = patch.hook.rpartition(".")[0] or top
     if not _findable(top):
         row["problems"].append(f"{top} is not installed")
-    elif not _findable(package):  # megatron.rl: a Megatron-LM checkout's, not megatron-core's
-        row["absent"] = package
+    elif not _findable(patch.hook_package):  # megatron.rl: a Megatron-LM checkout's, not megatron-core's
+        row["absent"] = patch.hook_package
     else:
         problems, error = _guard(f"checking {patch.name}", lambda: engine.check(patch), [])
         row["problems"] += problems + ([error] if error else [])

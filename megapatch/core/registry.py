@@ -83,6 +83,13 @@ class Patch:
     announces: bool = False
     requires: Tuple[str, ...] = ()
 
+    @property
+    def hook_package(self) -> str:
+        """The package that holds ``hook`` (``megatron.rl`` for ``megatron.rl.rl_utils``): where it
+        cannot be imported (a Megatron-LM checkout's module beside the megatron-core wheel) there is
+        nothing to check until a job imports it."""
+        return self.hook.rpartition(".")[0] or self.hook
+
     def left_out(self, skip_patches) -> Tuple[str, ...]:
         """The opted-out patch names that leave this patch out: its own, or one it builds on."""
         return tuple(name for name in (self.name, *self.requires) if name in skip_patches)

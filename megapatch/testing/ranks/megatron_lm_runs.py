@@ -226,7 +226,7 @@ def _kill_marked(marker: str) -> None:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if needle in f.read().split(b"\0"):
                     os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+        except OSError:  # gone meanwhile, or not ours to read
             continue
 
 

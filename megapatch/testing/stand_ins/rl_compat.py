@@ -13,7 +13,7 @@ for; no numerics change and no Megatron-LM file is edited.
   on CPU; TE's needs CUDA) refuses packed parameters; ``None`` is the same attention for these rows.
   ``train_rl.py`` from-imports the function, so it is replaced before the script runs.
 
-And one recorder, not a stand-in: :func:`record_rollout_stats` wraps
+And one recorder, not a stand-in: the second record of :data:`WORKAROUNDS` wraps
 ``megatron.rl.rl_utils.maybe_log_training_metrics`` -- the call that hands Megatron RL's rollout
 statistics to its W&B / TensorBoard writers every step -- and appends the statistics it is handed
 (among them upstream's own train-vs-inference mismatch, ``update_inference_logprobs_group_stats``)
