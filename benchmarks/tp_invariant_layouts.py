@@ -21,7 +21,9 @@ reference row's says "the same".
 * ``native-mbs``: the native-vs-mode table at global batch 24 -- fresh runs of 3 iterations at
   TP x DP 1 x 1 mbs 1, 1 x 1 mbs 4, 1 x 4 mbs 2, natively and under tp_invariant.
 * ``tied``: "Tied embeddings" -- the Llama flags without ``--untie-embeddings-and-output-weights``,
-  one step, global batch 12, fresh runs at 1 x 1 mbs 1, 1 x 1 mbs 2, 1 x 2 mbs 1, 1 x 3 mbs 4. The
+  one step, global batch 12, fresh runs at 1 x 1 mbs 1, 1 x 1 mbs 2, 1 x 2 mbs 1, 1 x 3 mbs 4; then
+  across pipeline depths: resumed from one checkpoint at 1 x 1 x 2 mbs 1 and 1 x 2 x 2 mbs 2, plain
+  and distributed optimizer, against never stopping. The
   results' "per-sequence terms only" column is the mode before the tied rule (3787681's parent,
   baa6ae2): not reproduced here (this script runs the checkout it is in).
 
@@ -213,6 +215,20 @@ def tied(checkout: Path, work: Path, timeout: float) -> None:
         print(f"| {_txd(run.layout)}, mbs {run.layout.mbs} | {_losses(run) if first else _same(_losses(run), _losses(runs[0]))} "
               f"| {_norms(run) if first else _same(_norms(run), _norms(runs[0]))} "
               f"| {'--' if first else _differ(reference, run)} |", flush=True)
+    print("\nAcross pipeline depths (Megatron-LM seeds each stage's weights differently: resumed from one "
+          "checkpoint saved at 1 x 1 x 1 after one step, the second step compared with never stopping):\n")
+    print("| optimizer | resumed at (TP x DP x PP, mbs) | grad norm, step 2 | tensors differing from the uninterrupted run |")
+    print("|---|---|---|---|")
+    for optimizer, extra in (("plain", ()), ("distributed", DISTOPT)):
+        runs = layouts.experiment(checkout, work / f"pp-{optimizer}", MODES["tp_invariant"],
+                                  [L(pp=2), L(dp=2, pp=2, mbs=2)], probe=PROBE, save_at=1, iters=2, extra=extra,
+                                  label="tied", timeout=timeout, llama=TIED)
+        full = runs.pop("full")
+        reference = full.tensors()
+        print(f"| {optimizer} | never stopping (1 x 1 x 1, mbs 1) | {full.exact_norms[1]} | -- |")
+        for run in runs.values():
+            print(f"| {optimizer} | {_txdxp(run.layout)}, mbs {run.layout.mbs} "
+                  f"| {_same(run.exact_norms[0], full.exact_norms[1])} | {_differ(reference, run)} |", flush=True)
 
 
 def main() -> int:

@@ -3,6 +3,7 @@ log-prob mismatch per megapatch mode and trainer/rollout layout (results/train_r
 
     python benchmarks/train_rl.py [--megatron-lm DIR] [--iters 3] [--layouts 2/1,4/2,1/2]
                                   [--modes ...] [--moe] [--no-sequence-parallel]
+                                  [--hidden 64 --ffn 128 [--moe-ffn N]]
 
 A tiny dense Qwen3-shaped model (QK RMSNorm, SwiGLU, GQA), GRPO, 2 prompts x 4 rollouts a step in
 micro-batches of 2, the rollouts on the dynamic engine at the rollout TP size and a refit before
@@ -36,6 +37,11 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     parser.add_argument("--moe", action="store_true",
                         help="the Qwen3-MoE-shaped model (4 experts top-2, alltoall) at EP 1 on both sides")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size (8 heads of hidden/8)")
+    parser.add_argument("--ffn", type=int, default=128, help="FFN hidden size (and the experts' with --moe "
+                        "unless --moe-ffn)")
+    parser.add_argument("--moe-ffn", type=int, default=None, help="the experts' FFN size (default: 64 at "
+                        "hidden 64, else --ffn)")
     parser.add_argument("--no-sequence-parallel", action="store_true",
                         help="the trainer without --sequence-parallel (default: on at TP > 1)")
     args = parser.parse_args(argv)
@@ -49,6 +55,7 @@ def main(argv=None) -> int:
               "min / max p_train / p_inf | grad norms | wall (s) |")
         print("|---|---|---|---|---|---|---|")
         layouts = [tuple(int(x) for x in layout.split("/")) for layout in args.layouts.split(",")]
+        moe_ffn = args.moe_ffn or (64 if args.hidden == 64 else args.ffn)
         for tp, rollout_tp in layouts:
             for mode in args.modes.split(","):
                 env = MODES[mode]
@@ -56,6 +63,7 @@ def main(argv=None) -> int:
                 job, steps = train_rl.run(checkout, root, nproc=max(tp, rollout_tp), tp=tp, rollout_tp=rollout_tp,
                                           iters=args.iters, megapatch_env=env, name=f"{tp}-{rollout_tp}",
                                           sequence_parallel=not args.no_sequence_parallel,
+                                          hidden=args.hidden, ffn=args.ffn, moe_ffn=moe_ffn,
                                           **(dict(moe=True, ep=1, rollout_ep=1) if args.moe else {}))
                 wall = time.monotonic() - start
                 if job.returncode != 0 or len(steps) != args.iters:

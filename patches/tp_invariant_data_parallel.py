@@ -25,6 +25,12 @@ Under the mode:
   (MAX of the top bins, then an int64 all-reduce, or reduce-scatter for the distributed optimizer)
   written into the grad buffer in FP32, rounded once. No ``1/DP`` scaling here: it is in the seed.
 * The loss gradient's ``1/DP`` is applied once, in the seed: ``tp_invariant.loss_scale``.
+* Tied embeddings at PP > 1 (the first stage's lookup, the last stage's output layer: two copies,
+  ``shared_embedding``): ``finalize_model_grads`` sums each stage's data-parallel sum over the
+  embedding group in FP32 -- one rounding more than PP 1, where both uses' terms meet in one exact
+  sum. Here the copy's exact terms are kept at the data-parallel sum and
+  ``_allreduce_word_embedding_grads`` merges them over the embedding group (exactly) before their
+  data-parallel sum is rounded once.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ from megapatch.numerics import exact_sum
 from megapatch.patches._common import refuse_tp_invariant, tp_invariant_patch
 
 DDP = "megatron.core.distributed.distributed_data_parallel"
+FINALIZE = "megatron.core.distributed.finalize_model_grads"
 BUFFER = "megatron.core.distributed.param_and_grad_buffer"
 
 _ACCUMULATOR = "_megapatch_exact_sum"  # on a bucket: its exact_sum.Accumulator
 _DEPOSITED = "_megapatch_exact_hook"   # on a parameter: its DDP hook feeds the exact sum
+_TIED_PENDING = "_megapatch_tied_terms"  # on a tied embedding at PP > 1: its terms, until summed across stages
 
 
 class _Done:
@@ -129,14 +137,69 @@ def _start_grad_sync(wrapped, instance, args, kwargs):
         rank, size = group.rank(), group.size()
     for bucket in instance.buckets:
         exact = _accumulator(bucket)
+        shard = (rank, size) if sharded else None
+        pending = [_defer_tied(bucket, p, exact, group, shard) for p in bucket.params_list if _tied_across_stages(p)]
         if sharded:
             piece = bucket.grad_data.numel() // size
-            bucket.grad_data[rank * piece:(rank + 1) * piece].copy_(exact.total(group, shard=(rank, size)))
+            bucket.grad_data[rank * piece:(rank + 1) * piece].copy_(exact.total(group, shard=shard))
         else:
             bucket.grad_data.copy_(exact.total(group))
+        for param in pending:
+            param.main_grad.zero_()  # its sum comes with the other stage's terms (_word_embedding_grads)
         exact.reset()
     overlapped = config.overlap_grad_reduce
     instance.grad_reduce_handle = _Done() if overlapped else None
+    return None
+
+
+def _tied_across_stages(param) -> bool:
+    """A weight whose copy on another pipeline stage is summed with it after the data-parallel
+    sum (tied embeddings at PP > 1: megatron-core marks both copies ``shared_embedding``)."""
+    return bool(getattr(param, "shared_embedding", False))
+
+
+def _defer_tied(bucket, param, exact, group, shard):
+    """Keep ``param``'s exact terms for the sum across stages: upstream all-reduces the two stages'
+    FP32 sums there (rounded twice, where PP 1 rounds once over both uses' terms)."""
+    if getattr(param, _TIED_PENDING, None) is not None:
+        refuse_tp_invariant("a tied embedding whose gradient was not summed across pipeline stages after the "
+                            "last step (finalize_model_grads not called)",
+                            "its gradient would lack the other stage's terms")
+    start = param.main_grad.storage_offset() - bucket.grad_data.storage_offset()
+    if shard is not None:
+        if len(bucket.params_list) != 1:  # upstream gives it a bucket of its own under the distributed optimizer
+            refuse_tp_invariant("a tied embedding sharing its bucket under the distributed optimizer",
+                                "its shard of the sum across stages must be the same on both stages")
+        terms, target = exact.piece(0, bucket.grad_data.numel()), bucket.grad_data
+    else:
+        terms, target = exact.piece(start, start + param.numel()), param.main_grad.view(-1)
+    setattr(param, _TIED_PENDING, (terms, target, group, shard))
+    return param
+
+
+def _word_embedding_grads(wrapped, instance, args, kwargs):
+    """The tied embedding's gradient: the two stages' exact terms merged over the embedding group,
+    then the data-parallel sum of them all rounded once (PP 1's arithmetic), in place of upstream's
+    FP32 all-reduce of the two stages' sums."""
+    model = argument(args, kwargs, 0, "model")
+    pending = [p for chunk in model for p in chunk.parameters() if getattr(p, _TIED_PENDING, None) is not None]
+    if not pending:
+        return wrapped(*args, **kwargs)
+    embd_group = argument(args, kwargs, 2, "embd_group", None)  # megatron-core < 0.14: no argument
+    if embd_group is None:
+        from megatron.core import parallel_state
+
+        embd_group = parallel_state.get_embedding_group()
+    for param in pending:
+        terms, target, group, shard = getattr(param, _TIED_PENDING)
+        delattr(param, _TIED_PENDING)
+        terms.merge(embd_group)
+        if shard is None:
+            target.copy_(terms.total(group))
+        else:
+            rank, size = shard
+            piece = target.numel() // size
+            target[rank * piece:(rank + 1) * piece].copy_(terms.total(group, shard=shard))
     return None
 
 
@@ -151,6 +214,8 @@ PATCHES = (
                    kind="method", params=("self", "param")),
             Target(BUFFER, "_ParamAndGradBucketGroup.start_grad_sync", _start_grad_sync, kind="method",
                    params=("self", "force_all_reduce")),
+            Target(FINALIZE, "_allreduce_word_embedding_grads", _word_embedding_grads,
+                   params=("model", "config")),
         ),
     ),
 )

@@ -239,3 +239,43 @@ def test_three_ranks_with_uneven_shares_give_the_single_process_bits():
         assert whole == expected
         assert scalar == float(sum(Fraction(float(r[0])) for r in rows))
     assert [v for _, shard, _ in results for v in shard] == expected
+
+
+def _two_stages(ctx, seed, count, n, shares):
+    """Ranks 0, 1 one pipeline stage's data-parallel group, ranks 2, 3 the other's; {0, 2} and {1, 3}
+    the embedding groups. Each rank holds its share of a tied weight's terms: merged over its
+    embedding group, then summed over its data-parallel group (plain and sharded)."""
+    groups = {}
+    for ranks in ([0, 1], [2, 3], [0, 2], [1, 3]):
+        groups[tuple(ranks)] = torch.distributed.new_group(ranks)
+    dp = groups[(0, 1)] if ctx.rank < 2 else groups[(2, 3)]
+    embd = groups[(0, 2)] if ctx.rank % 2 == 0 else groups[(1, 3)]
+    rows = _rows(seed, count, n)
+    acc = es.Accumulator(n + 8)
+    for i in shares[ctx.rank]:
+        acc.add(8, rows[i])
+    terms = acc.piece(8, 8 + n)
+    terms.merge(embd)
+    whole = terms.total(dp)
+    shard = terms.total(dp, shard=(ctx.rank % 2, 2))
+    unmerged = acc.piece(8, 8 + n).total(dp)
+    return whole.view(torch.int32).tolist(), shard.view(torch.int32).tolist(), unmerged.tolist()
+
+
+def test_terms_merged_across_stages_then_summed_give_the_one_process_bits():
+    """The tied-embedding sum at PP > 1 (tp_invariant.data_parallel): every rank of both stages ends
+    with the definition's bits over all four ranks' terms, as PP 1 sums them in one accumulator;
+    a stage's data-parallel sum alone does not (the precondition), and two stages' FP32 sums
+    added (upstream's embedding all-reduce) do not either on these inputs."""
+    seed, count, n = 11, 12, 40
+    shares = [[0, 5, 9], [2, 11], [1, 3, 4, 10], [6, 7, 8]]
+    results = run_ranks(_two_stages, world_size=4, init_megatron=False, args=(seed, count, n, shares))
+    rows = _rows(seed, count, n)
+    expected = _oracle(rows).view(torch.int32).tolist()
+    for whole, _, _ in results:
+        assert whole == expected
+    assert results[0][1] + results[1][1] == expected and results[2][1] + results[3][1] == expected
+    first = torch.tensor(results[0][2], dtype=torch.float32)
+    last = torch.tensor(results[2][2], dtype=torch.float32)
+    assert first.view(torch.int32).tolist() != expected
+    assert (first + last).view(torch.int32).tolist() != expected  # upstream's FP32 add of the stages' sums

@@ -354,6 +354,7 @@ def _recorded_norms(checkout, label, field="grad_norm"):
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_distributed_optimizer_is_tp_independent(checkout):
     """Issue 17 item 2: --use-distributed-optimizer under the mode, at DP=1 (TP 1 and 2) and at DP=2
     (TP 1 and 2, world 2 and 4: the norm gathers the data-parallel shards). Per-token losses,
@@ -702,6 +703,7 @@ def _moe_run(checkout, tp, mode, dispatcher="alltoall", ep=1):
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkout):
     """pretrain_gpt.py with MoE flags at TP 1/2/4 and EP 2, both dispatchers, in every mode: each
     trains, the job log names the MoE coverage, FP32 logits reach the loss under logits_dtype=fp32;
@@ -852,26 +854,37 @@ def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_pipeline_dept
 
 @pytest.mark.slow
 @pytest.mark.resumes
-def test_tp_invariant_tied_embeddings_first_step_is_the_same_at_micro_batch_sizes_1_2_and_4(checkout, tmp_path_factory):
-    """Issue 37 with tied embeddings (the Llama flags without --untie-embeddings-and-output-weights,
-    PP 1): the word embedding's lookup and output-layer gradients stay separate terms of the exact
-    sum at every micro-batch size (``block_tree.tied``), so one clipped Adam step at DP 1 mbs 1, DP 1
-    mbs 2 and DP 3 mbs 4 gives the same full-precision grad norm and all 32 checkpoint tensors; before
-    the tied rule mbs 2 changed 24 of them (results/tp_invariant_layouts.md)."""
+def test_tp_invariant_tied_embeddings_step_is_the_same_at_micro_batch_sizes_and_pipeline_depths(
+        checkout, tmp_path_factory):
+    """Issue 37 with tied embeddings (the Llama flags without --untie-embeddings-and-output-weights).
+    At PP 1 the word embedding's lookup and output-layer gradients stay separate terms of the exact
+    sum at every micro-batch size (``block_tree.tied``); at PP 2 the first stage's lookup terms and
+    the last stage's output-layer terms are merged over the embedding group before their one
+    rounding (``tp_invariant.data_parallel``), where upstream adds the two stages' FP32 sums.
+    Megatron-LM seeds each pipeline stage's weights differently, so the layouts resume one
+    checkpoint saved at TP 1 x DP 1 after one step: the second step at DP 3 mbs 4, at PP 2, and
+    (distributed optimizer: the tied weight's own bucket, reduce-scattered) at DP 2 x PP 2 mbs 2
+    leaves all 32 checkpoint tensors as the uninterrupted run does, with its full-precision grad
+    norm. Before the tied rule mbs 2 changed 24 of them; before the merge PP 2 changed 3 (the
+    embedding's FP32 copy and Adam moments; results/tp_invariant_layouts.md)."""
     from megapatch.testing.scenarios import layouts
 
     _tp_invariant_revision(checkout)
-    work = tmp_path_factory.mktemp("tied")
     tied = tuple(a for a in layouts.LLAMA if a != "--untie-embeddings-and-output-weights")
     env = {"MEGAPATCH_TP_INVARIANT": "1"}
-    runs = [layouts.train(checkout[1], work, layout, env, probe=PROBE, iters=1, timeout=TIMEOUT, label="tied",
-                          llama=tied)
-            for layout in (layouts.Layout(), layouts.Layout(mbs=2), layouts.Layout(dp=3, mbs=4))]
-    reference = runs[0].tensors()
-    assert "embedding.word_embeddings.weight" in reference and "output_layer.weight" not in reference
-    for run in runs:
-        assert len(run.exact_norms) == 1 and run.exact_norms == runs[0].exact_norms, run.run.tail()
-        assert layouts.tp_resume.differences(reference, run.tensors()) == {}, run.layout
+    L = layouts.Layout
+    for name, extra, grid in (("plain", (), [L(dp=3, mbs=4), L(pp=2)]),
+                              ("distributed", ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"),
+                               [L(dp=2, pp=2, mbs=2)])):
+        runs = layouts.experiment(checkout[1], tmp_path_factory.mktemp(f"tied-{name}"), env, grid, probe=PROBE,
+                                  save_at=1, iters=2, extra=extra, label="tied", timeout=TIMEOUT, llama=tied)
+        full = runs.pop("full")
+        reference = full.tensors()
+        assert "embedding.word_embeddings.weight" in reference and "output_layer.weight" not in reference
+        assert len(reference) == 32 and len(full.exact_norms) == 2, full.run.tail()
+        for label, run in runs.items():
+            assert run.exact_norms == full.exact_norms[1:], (name, label, run.run.tail())
+            assert layouts.tp_resume.differences(reference, run.tensors()) == {}, (name, label)
 
 
 @pytest.mark.quick("tp_invariant.data_parallel", "tp_invariant.loss_scale", "tp_invariant.micro_batch")

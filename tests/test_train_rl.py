@@ -30,12 +30,12 @@ def rl_checkout(tmp_path_factory):
     return pinned_megatron_lm(tmp_path_factory), tmp_path_factory.mktemp("train-rl")
 
 
-def _run(rl_checkout, name, megapatch_env, **flags):
+def _run(rl_checkout, name, megapatch_env, iters=3, **flags):
     from megapatch.testing.scenarios import train_rl
 
     if name not in _runs:
         checkout, root = rl_checkout
-        _runs[name] = train_rl.run(checkout, root, nproc=2, tp=2, rollout_tp=1, iters=3, timeout=600,
+        _runs[name] = train_rl.run(checkout, root, nproc=2, tp=2, rollout_tp=1, iters=iters, timeout=600,
                                    megapatch_env=megapatch_env, name=name, **flags)
     return _runs[name]
 
@@ -54,7 +54,7 @@ def test_train_rl_logs_zero_train_vs_rollout_mismatch_at_trainer_tp2_rollout_tp1
     """tp_invariant + FP32 logits: every step's logged mismatch is exactly 0 (max |p_train - p_inf|
     0, the ratio's min and max 1) with the trainer at TP 2 and the rollouts at TP 1, over 3 GRPO
     steps that train (non-zero grad norms: the refits carry changed weights). Natively the same job
-    logs a mismatch at every step."""
+    logs a mismatch at its first step (one step: the precondition)."""
     job, steps = _run(rl_checkout, "dense-zero", ZERO_MODE)
     assert job.returncode == 0, job.tail()
     assert job.log.count("megapatch enabled:") == 1, "the activation line, once per job"
@@ -64,10 +64,10 @@ def test_train_rl_logs_zero_train_vs_rollout_mismatch_at_trainer_tp2_rollout_tp1
     norms = _grad_norms(job)
     assert len(norms) == 3 and all(n > 0 for n in norms), norms
 
-    native, native_steps = _run(rl_checkout, "dense-native", {})
+    native, native_steps = _run(rl_checkout, "dense-native", {}, iters=1)  # one step shows it
     assert native.returncode == 0, native.tail()
     assert "megapatch enabled:" not in native.log
-    assert len(native_steps) == 3 and all(s["max_inf_train_prob_abs_diff"] > 0 for s in native_steps), native_steps
+    assert len(native_steps) == 1 and native_steps[0]["max_inf_train_prob_abs_diff"] > 0, native_steps
 
 
 @pytest.mark.slow

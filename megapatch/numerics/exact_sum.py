@@ -123,6 +123,37 @@ class Accumulator:
         if self.counts[start] > MAX_CONTRIBUTIONS:
             raise OverflowError(f"more than {MAX_CONTRIBUTIONS} contributions to one exact sum")
 
+    def piece(self, start: int, end: int) -> "Accumulator":
+        """A copy of elements ``start .. end`` as an accumulator of their own (their contributions
+        and the overflow bound's count)."""
+        out = Accumulator(end - start, device=self.top.device)
+        out.top.copy_(self.top[start:end])
+        out.limbs.copy_(self.limbs[:, start:end])
+        count = max((c for s, c in self.counts.items() if start <= s < end), default=0)
+        out.counts = {0: count} if count else {}
+        return out
+
+    def merge(self, group) -> None:
+        """Every rank of ``group`` holds, afterwards, the contributions every rank of it held (the
+        union, exactly: the limbs dropped to the common grid are the bits every contribution loses
+        there, and the limbs' integer sums are exact). Used where two copies of one weight (tied
+        embeddings on the first and last pipeline stage) must give one sum rounded once."""
+        if group is None or torch.distributed.get_world_size(group) <= 1:
+            return
+        top = self.top.clone()
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        shift = torch.where(self.top == EMPTY, torch.zeros_like(top), top - self.top).to(torch.int32)
+        limbs = _drop_limbs(self.limbs, shift).to(torch.int64)
+        count = torch.tensor([max(self.counts.values(), default=0)], dtype=torch.int64, device=top.device)
+        torch.distributed.all_reduce(limbs, group=group)
+        torch.distributed.all_reduce(count, group=group)
+        if int(count) > MAX_CONTRIBUTIONS:
+            raise OverflowError(f"{int(count)} contributions to one exact sum across ranks "
+                                f"(at most {MAX_CONTRIBUTIONS}: the limbs would overflow)")
+        self.limbs.copy_(limbs.to(torch.int32))
+        self.top.copy_(top)
+        self.counts = {0: int(count)} if int(count) else {}
+
     def reset(self) -> None:
         self.top.fill_(EMPTY)
         self.limbs.zero_()

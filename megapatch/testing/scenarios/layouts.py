@@ -96,7 +96,8 @@ def train(checkout: Path, workdir: Path, layout: Layout, env: Mapping[str, str],
 def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: Sequence[Layout], *,
                probe: str, base: Layout = Layout(), save_at: int = 1, iters: int = 3,
                global_batch: int = 12, extra: Sequence[str] = (), label: str = "run",
-               start: Optional[Path] = None, timeout: float = 600.0) -> Dict[str, LayoutRun]:
+               start: Optional[Path] = None, timeout: float = 600.0,
+               llama: Sequence[str] = LLAMA) -> Dict[str, LayoutRun]:
     """``full``: ``iters`` iterations at ``base``, saving at ``save_at`` (Megatron-LM seeds each
     pipeline stage's initial weights differently, so layouts are compared from one checkpoint);
     ``<layout label>``: resumed from that checkpoint (or ``start``) to ``iters`` at each layout."""
@@ -104,7 +105,8 @@ def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: S
     runs: Dict[str, LayoutRun] = {}
     if start is None:
         runs["full"] = train(checkout, workdir, base, env, probe=probe, iters=iters, global_batch=global_batch,
-                             extra=extra, label=f"{label}-full", save_interval=save_at, timeout=timeout)
+                             extra=extra, label=f"{label}-full", save_interval=save_at, timeout=timeout,
+                             llama=llama)
         start = runs["full"].checkpoint.parent
     for layout in layouts:
         source = workdir / f"{label}-start-{layout.label}"
@@ -112,5 +114,5 @@ def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: S
         (source / "latest_checkpointed_iteration.txt").write_text(str(save_at))
         runs[layout.label] = train(checkout, workdir, layout, env, probe=probe, iters=iters,
                                    global_batch=global_batch, extra=extra, label=label, load=source,
-                                   timeout=timeout)
+                                   timeout=timeout, llama=llama)
     return runs

@@ -50,15 +50,16 @@ def env_config(path) -> Path:
 
 def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: int = 1,
           rollout_ep: Optional[int] = None, moe: bool = False, iters: int = 3, prompts: int = 2,
-          group: int = 4, micro_batch: int = 2, sequence_parallel: bool = True,
-          extra: Sequence[str] = ()) -> List[str]:
+          group: int = 4, micro_batch: int = 2, sequence_parallel: bool = True, hidden: int = 64,
+          ffn: int = 128, moe_ffn: int = 64, extra: Sequence[str] = ()) -> List[str]:
     """``train_rl.py``'s flags: a tiny Qwen3-shaped model (QK RMSNorm, SwiGLU, GQA, RoPE; with
     ``moe`` 4 experts top-2, alltoall dispatcher), GRPO with ``prompts`` x ``group`` rollouts a
     step, each step's global batch in micro-batches of ``micro_batch``, the dynamic engine as the
-    in-process rollout server; the rollout model at ``rollout_tp`` / ``rollout_ep``."""
-    out = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-           "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "128",
-           "--kv-channels", "16", "--swiglu", "--normalization", "RMSNorm", "--qk-layernorm",
+    in-process rollout server; the rollout model at ``rollout_tp`` / ``rollout_ep``; ``hidden``,
+    ``ffn`` and ``moe_ffn`` its widths (8 heads of ``hidden / 8``)."""
+    out = ["--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "8",
+           "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", str(ffn),
+           "--kv-channels", str(hidden // 8), "--swiglu", "--normalization", "RMSNorm", "--qk-layernorm",
            "--position-embedding-type", "rope", "--disable-bias-linear",
            "--untie-embeddings-and-output-weights",
            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
@@ -87,7 +88,7 @@ def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: 
         out += ["--rl-inference-tensor-model-parallel-size", str(rollout_tp)]
     if moe:
         out += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
-                "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0",
+                "--moe-ffn-hidden-size", str(moe_ffn), "--moe-aux-loss-coeff", "0",
                 "--expert-model-parallel-size", str(ep)]
         if rollout_ep is not None and rollout_ep != ep:
             out += ["--rl-inference-expert-model-parallel-size", str(rollout_ep)]
