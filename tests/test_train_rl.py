@@ -4,7 +4,8 @@ on CPU ranks under ``torchrun -m megapatch.testing.ranks.rl_launch``, megapatch 
 recorded from what ``train_rl.py`` hands its loggers: ``megapatch.testing.stand_ins.rl_compat``).
 
 The trainer runs at TP 2 and the rollouts at TP 1 (``--rl-inference-tensor-model-parallel-size``),
-with a refit of the trained weights before every step's rollouts."""
+with a refit of the trained weights before every step's rollouts; hidden 512, FFN 2048 (the
+experts' too)."""
 
 import re
 from pathlib import Path
@@ -16,6 +17,8 @@ from conftest import pinned_megatron_lm
 from megapatch.testing.ranks import megatron_lm_runs as mlm
 
 ZERO_MODE = {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_LOGITS_DTYPE": "fp32"}
+# widths at which a GEMM's inner size is 64-256 a block of the mode's fixed tree (W 8), not toy sizes
+WIDTHS = dict(hidden=512, ffn=2048, moe_ffn=2048)
 _runs = {}
 
 
@@ -36,7 +39,7 @@ def _run(rl_checkout, name, megapatch_env, iters=3, **flags):
     if name not in _runs:
         checkout, root = rl_checkout
         _runs[name] = train_rl.run(checkout, root, nproc=2, tp=2, rollout_tp=1, iters=iters, timeout=600,
-                                   megapatch_env=megapatch_env, name=name, **flags)
+                                   megapatch_env=megapatch_env, name=name, **WIDTHS, **flags)
     return _runs[name]
 
 
