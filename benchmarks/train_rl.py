@@ -1,7 +1,7 @@
-"""Megatron-LM's own ``train_rl.py`` (core_v0.16.1) on CPU ranks: Megatron RL's logged train-vs-rollout
+"""Megatron-LM's own ``train_rl.py`` (core_v0.16.1, or main with ``--revision``) on CPU ranks: Megatron RL's logged train-vs-rollout
 log-prob mismatch per megapatch mode and trainer/rollout layout (results/train_rl.md).
 
-    python benchmarks/train_rl.py [--megatron-lm DIR] [--iters 3] [--layouts 2/1,4/2,1/2]
+    python benchmarks/train_rl.py [--revision core_v0.16.1|main-d98e8a64] [--megatron-lm DIR] [--iters 3] [--layouts 2/1,4/2,1/2]
                                   [--modes ...] [--moe] [--no-sequence-parallel]
                                   [--hidden 64 --ffn 128 [--moe-ffn N]]
 
@@ -31,7 +31,10 @@ MODES = {"native": {}, "fp32": {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"},
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--megatron-lm", help="a Megatron-LM checkout (default: the pinned core_v0.16.1 tarball)")
+    parser.add_argument("--revision", default="core_v0.16.1", choices=("core_v0.16.1", "main-d98e8a64"),
+                        help="which pinned Megatron-LM (main needs Python >= 3.12 and the rl-main extra); with "
+                             "--megatron-lm, which one that checkout is (its train_rl.py flags differ)")
+    parser.add_argument("--megatron-lm", help="a Megatron-LM checkout (default: the pinned --revision tarball)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--layouts", default="2/1,4/2,1/2", help="trainer TP / rollout TP, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        checkout = Path(args.megatron_lm) if args.megatron_lm else mlm.pinned_checkout(root / "src")
+        checkout = Path(args.megatron_lm) if args.megatron_lm else mlm.pinned_checkout(root / "src", args.revision)
         print("| trainer TP / rollout TP | mode | max abs(p_train - p_inf) | mean abs(p_train - p_inf) | "
               "min / max p_train / p_inf | grad norms | wall (s) |")
         print("|---|---|---|---|---|---|---|")
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
                 job, steps = train_rl.run(checkout, root, nproc=max(tp, rollout_tp), tp=tp, rollout_tp=rollout_tp,
                                           iters=args.iters, megapatch_env=env, name=f"{tp}-{rollout_tp}",
                                           sequence_parallel=not args.no_sequence_parallel,
-                                          hidden=args.hidden, ffn=args.ffn, moe_ffn=moe_ffn,
+                                          hidden=args.hidden, ffn=args.ffn, moe_ffn=moe_ffn, revision=args.revision,
                                           **(dict(moe=True, ep=1, rollout_ep=1) if args.moe else {}))
                 wall = time.monotonic() - start
                 if job.returncode != 0 or len(steps) != args.iters:

@@ -22,25 +22,36 @@ WIDTHS = dict(hidden=512, ffn=2048, moe_ffn=2048)
 _runs = {}
 
 
-@pytest.fixture(scope="module")
-def rl_checkout(tmp_path_factory):
+# main (d98e8a6) runs in CI's Python 3.12 stage; its megatron/rl imports more (the `rl-main` extra)
+NEEDS = {"core_v0.16.1": ("wandb", "tensorboard", "zmq", "msgpack", "tokenizers", "transformers"),
+         "main-d98e8a64": ("wandb", "tensorboard", "zmq", "msgpack", "tokenizers", "transformers", "openai", "fastapi",
+                  "quart", "hypercorn", "datasets")}
+
+
+@pytest.fixture(scope="module", params=sorted(NEEDS))
+def rl_checkout(request, tmp_path_factory):
     import importlib.util
 
-    missing = [m for m in ("wandb", "tensorboard", "zmq", "msgpack", "tokenizers", "transformers")
-               if importlib.util.find_spec(m) is None]
+    revision = request.param
+    too_old = mlm.python_too_old(revision)
+    if too_old:
+        pytest.skip(too_old)
+    missing = [m for m in NEEDS[revision] if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"Megatron-LM's train_rl.py needs {', '.join(missing)} (the `rl` and `llama` extras)")
-    return pinned_megatron_lm(tmp_path_factory), tmp_path_factory.mktemp("train-rl")
+        pytest.skip(f"Megatron-LM {revision}'s train_rl.py needs {', '.join(missing)} "
+                    f"(the `{'rl-main' if revision.startswith('main') else 'rl'}` and `llama` extras)")
+    return revision, pinned_megatron_lm(tmp_path_factory, revision), tmp_path_factory.mktemp(f"train-rl-{revision}")
 
 
 def _run(rl_checkout, name, megapatch_env, iters=3, **flags):
     from megapatch.testing.scenarios import train_rl
 
-    if name not in _runs:
-        checkout, root = rl_checkout
-        _runs[name] = train_rl.run(checkout, root, nproc=2, tp=2, rollout_tp=1, iters=iters, timeout=600,
-                                   megapatch_env=megapatch_env, name=name, **WIDTHS, **flags)
-    return _runs[name]
+    revision, checkout, root = rl_checkout
+    if (revision, name) not in _runs:
+        _runs[revision, name] = train_rl.run(checkout, root, nproc=2, tp=2, rollout_tp=1, iters=iters, timeout=600,
+                                             megapatch_env=megapatch_env, name=name, revision=revision,
+                                             **WIDTHS, **flags)
+    return _runs[revision, name]
 
 
 def _grad_norms(job):

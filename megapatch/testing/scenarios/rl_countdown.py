@@ -30,6 +30,7 @@ def prompt(target: int, nums: list) -> str:
 class SyntheticCountdownAgent(RewardOnlyAgent):
     seed: int = 0
     drawn: int = 0
+    env_id: str = "synthetic-countdown"  # Megatron-LM main labels every rollout with it (upstream's agents set one)
 
     async def evaluation_prompts(self, num_prompts: int, validation: bool = False) -> list:
         rng = random.Random(self.seed + 10_000)
@@ -40,7 +41,8 @@ class SyntheticCountdownAgent(RewardOnlyAgent):
         golden = task(random.Random(self.seed * 1_000_003 + self.drawn))
         return prompt(**golden), golden
 
-    async def get_reward(self, response: str, golden: Any) -> float:
+    async def get_reward(self, response: str, golden: Any, finish_reason: Any = None) -> float:
+        # finish_reason: Megatron-LM main hands it (core_v0.16.1 does not); the score does not use it
         from examples.rl.environments.countdown.countdown import compute_score
 
         # upstream's score, plus a shaping term (the share of digits in the response, at most 0.05): an

@@ -42,16 +42,29 @@ def countdown_tokenizer(out_dir) -> Path:
     return out
 
 
-def env_config(path) -> Path:
+def env_config(path, revision: str = "core_v0.16.1") -> Path:
+    """The environment config: core_v0.16.1 imports an agent_type given as a dotted path, main only
+    names from its allowlist (the launcher registers the agent there: ``rl_compat``)."""
+    from megapatch.testing.stand_ins.rl_compat import AGENT_NAME
+
     path = Path(path)
-    path.write_text(f"- agent_type: {AGENT}\n  agent_args: {{}}\n  weight: 1.0\n")
+    agent = AGENT_NAME if _is_main(revision) else AGENT
+    path.write_text(f"- agent_type: {agent}\n  agent_args: {{}}\n  weight: 1.0\n")
     return path
+
+
+def _is_main(revision: str) -> bool:
+    """Megatron-LM main (``main-d98e8a64``): the in-process rollout server is the only one and its flag
+    is gone, ``--inference-max-batch-size`` became ``--inference-max-requests``, and an environment
+    names its agent from an allowlist."""
+    return revision.startswith("main")
 
 
 def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: int = 1,
           rollout_ep: Optional[int] = None, moe: bool = False, iters: int = 3, prompts: int = 2,
           group: int = 4, micro_batch: int = 2, sequence_parallel: bool = True, hidden: int = 64,
-          ffn: int = 128, moe_ffn: int = 64, extra: Sequence[str] = ()) -> List[str]:
+          ffn: int = 128, moe_ffn: int = 64, revision: str = "core_v0.16.1",
+          extra: Sequence[str] = ()) -> List[str]:
     """``train_rl.py``'s flags: a tiny Qwen3-shaped model (QK RMSNorm, SwiGLU, GQA, RoPE; with
     ``moe`` 4 experts top-2, alltoall dispatcher), GRPO with ``prompts`` x ``group`` rollouts a
     step, each step's global batch in micro-batches of ``micro_batch``, the dynamic engine as the
@@ -74,9 +87,10 @@ def flags(*, tokenizer, env, tp: int = 1, rollout_tp: Optional[int] = None, ep: 
            "--no-rope-fusion", "--no-persist-layer-norm", "--no-bias-swiglu-fusion",
            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
            "--perform-rl-step", "--langrl-env-config", str(env),
-           "--langrl-inference-server-type", "inplace_megatron",
+           *(() if _is_main(revision) else ("--langrl-inference-server-type", "inplace_megatron")),
            "--grpo-prompts-per-step", str(prompts), "--grpo-group-size", str(group), "--grpo-iterations", "1",
-           "--inference-max-seq-length", str(SEQ), "--inference-max-batch-size", str(prompts * group),
+           "--inference-max-seq-length", str(SEQ),
+           "--inference-max-requests" if _is_main(revision) else "--inference-max-batch-size", str(prompts * group),
            "--inference-dynamic-batching-buffer-size-gb", "0.05",
            "--inference-dynamic-batching-block-size", "16",
            "--inference-dynamic-batching-max-requests", "8",
@@ -109,7 +123,7 @@ def run(checkout, workdir, *, nproc: int, megapatch_env: Optional[Mapping[str, s
     tokenizer = workdir / "tokenizer"
     if not (tokenizer / "tokenizer.json").is_file():
         countdown_tokenizer(tokenizer)
-    env = env_config(workdir / "env.yaml")
+    env = env_config(workdir / f"env-{name}.yaml", flag_args.get("revision", "core_v0.16.1"))
     stats = workdir / f"{name}.stats.jsonl"
     stats.unlink(missing_ok=True)
     job = mlm.launch(checkout, flags(tokenizer=tokenizer, env=env, **flag_args), nproc=nproc,

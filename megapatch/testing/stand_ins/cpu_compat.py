@@ -97,13 +97,12 @@ def _cpu_current_stream(_original):
     # Replaces ``torch.cuda.current_stream()`` in megatron-core >= 0.19's
     # _ParamAndGradBucketGroup.start_grad_sync (distributed/param_and_grad_buffer.py),
     # which waits on the stream for ``param._cudagraph_wgrad_ready_event`` (set only
-    # by CUDA-graph replay) before reading the gradients.  On CPU every op has
-    # finished when its Python call returns, so torch's own CPU stream stands in:
-    # its ``wait_event``/``wait_stream`` order nothing because nothing is pending.
-    import torch
-
+    # by CUDA-graph replay) before reading the gradients, and in Megatron-LM main's
+    # gloo refit (resharding/copy_services), which synchronises it.  On CPU every op
+    # has finished when its Python call returns: a stream on which everything has
+    # happened stands in (torch.cpu.Stream has no ``synchronize``).
     def current_stream(device=None):
-        return torch.cpu.current_stream()
+        return CpuSideStream()
 
     return current_stream
 

@@ -12,8 +12,13 @@ for; no numerics change and no Megatron-LM file is edited.
   CUDA-graph signature stability). megatron-core's local ``DotProductAttention`` (the only attention
   on CPU; TE's needs CUDA) refuses packed parameters; ``None`` is the same attention for these rows.
   ``train_rl.py`` from-imports the function, so it is replaced before the script runs.
+- ``GPTModel.forward``: Megatron-LM main builds that default inline (``PackedSeqParams(qkv_format=
+  'thd', cu_seqlens=[0, seq])`` in ``train_rl.forward_step`` and ``get_logprobs``); a forward handed
+  exactly that gets ``None`` instead, any other packing is passed on untouched.
 
-And one recorder, not a stand-in: the second record of :data:`WORKAROUNDS` wraps
+And two records that are not stand-ins: on Megatron-LM main, whose environments name their agent
+from an allowlist (``megatron.rl.agent.registry.AGENT_REGISTRY``), the labelled synthetic countdown
+agent is registered there by name, as a user registers an environment of their own. And one recorder: the second record of :data:`WORKAROUNDS` wraps
 ``megatron.rl.rl_utils.maybe_log_training_metrics`` -- the call that hands Megatron RL's rollout
 statistics to its W&B / TensorBoard writers every step -- and appends the statistics it is handed
 (among them upstream's own train-vs-inference mismatch, ``update_inference_logprobs_group_stats``)
@@ -46,6 +51,30 @@ def _unpacked_default(_original):
     return lambda *args, **kwargs: None
 
 
+def _single_sequence_thd(params, tokens) -> bool:
+    """``params`` is Megatron RL's no-op default: THD, one sequence spanning a row's whole length."""
+    import torch
+
+    if params is None or getattr(params, "qkv_format", None) != "thd" or tokens is None or tokens.dim() != 2:
+        return False
+    whole = torch.tensor([0, tokens.shape[1]], dtype=torch.int32)
+    return all(getattr(params, name) is not None and torch.equal(getattr(params, name).cpu().int(), whole)
+               for name in ("cu_seqlens_q", "cu_seqlens_kv"))
+
+
+def _unpacked_forward(original):
+    # Replaces GPTModel.forward as Megatron-LM main's train_rl.forward_step and rl_utils.get_logprobs
+    # call it without --rl-use-sequence-packing: both build the no-op THD default inline
+    # (PackedSeqParams(qkv_format='thd', cu_seqlens=[0, seq])) for CUDA-graph signature stability;
+    # local attention and RoPE on CPU take the rows unpacked (None), which is the same attention.
+    def forward(self, input_ids, *args, **kwargs):
+        if _single_sequence_thd(kwargs.get("packed_seq_params"), input_ids):
+            kwargs["packed_seq_params"] = None
+        return original(self, input_ids, *args, **kwargs)
+
+    return forward
+
+
 def _recording(original):
     def maybe_log_training_metrics(*args, **kwargs):
         path = os.environ.get(STATS_ENV)
@@ -63,6 +92,15 @@ def _recording(original):
     return maybe_log_training_metrics
 
 
+def _registered(original):
+    # Megatron-LM main resolves an environment's agent_type through an allowlist of names
+    # (megatron/rl/agent/registry.py: AGENT_REGISTRY, read at each lookup); the labelled synthetic
+    # countdown agent is added under its name, as a user registers an environment of their own.
+    return {**original, AGENT_NAME: AGENT_TARGET}
+
+
+AGENT_NAME = "SyntheticCountdownAgent"
+AGENT_TARGET = "megapatch.testing.scenarios.rl_countdown:SyntheticCountdownAgent"
 SEQUENCE_PACKING = "megatron.rl.sequence_packing_utils"
 
 WORKAROUNDS: Tuple[Workaround, ...] = (
@@ -72,6 +110,12 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
     Workaround("megatron.rl.rl_utils", "maybe_log_training_metrics",
                "nothing: records the rollout statistics upstream hands its W&B/TensorBoard writers",
                _recording),
+    Workaround("megatron.core.models.gpt.gpt_model", "GPTModel.forward",
+               "the same no-op THD default built inline (Megatron-LM main's train_rl.py and get_logprobs)",
+               _unpacked_forward),
+    Workaround("megatron.rl.agent.registry", "AGENT_REGISTRY",
+               "nothing: the test fixture's agent registered by name (Megatron-LM main's allowlist)",
+               _registered, optional=True),
 )
 
 
