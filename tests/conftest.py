@@ -123,3 +123,20 @@ def pinned_megatron_lm(tmp_path_factory, name: str = "core_v0.16.1"):
     if not tarball.is_file():
         pytest.skip(f"no pinned Megatron-LM sources: {tarball} is absent")
     return mlm.unpack(tarball, tmp_path_factory.mktemp(f"megatron-lm-{name}"))
+
+
+# The files with the most worker time first (results/test_time.md): with `--dist loadfile` each file
+# runs on one worker, handed out in collection order, so a long file collected late would run on
+# one worker while the other has finished; these start at once and the short files fill in.
+LONGEST_FIRST = ("test_megatron_lm.py", "test_tp_invariant_moe.py", "test_tp_invariant.py", "test_ray.py",
+                 "test_doctor_agrees_with_run.py", "test_startup_hook.py", "test_train_rl.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    import os
+
+    def weight(item):
+        name = os.path.basename(str(item.fspath))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=weight)  # stable: the order inside a file is kept

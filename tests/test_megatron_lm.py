@@ -230,7 +230,8 @@ def test_tp_invariant_qwen3_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, tps", [("gpt", (1, 2, 4)), ("llama", (1, 2, 4))])
+@pytest.mark.parametrize("model, tps", [("gpt", (1, 2, 4)),
+                                        pytest.param("llama", (1, 2, 4), marks=pytest.mark.resumes)])
 def test_tp_invariant_sequence_parallel_is_bit_identical_to_tp1(checkout, model, tps):
     """Issue 17 item 2: --sequence-parallel at TP=2 (and 4) under the mode prints the same losses and grad
     norms, and gives the same per-token losses and full-precision grad norms, as TP=1 (where
@@ -739,6 +740,7 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4_and_dp_3(checkout):
     """Issue 26: pretrain_gpt.py with the scaled-down Qwen3-30B-A3B MoE flags (QK norm, top-2
     softmax routing, aux and z losses, SwiGLU experts), alltoall dispatcher, expert TP = TP and
