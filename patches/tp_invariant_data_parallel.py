@@ -128,28 +128,34 @@ def _start_grad_sync(wrapped, instance, args, kwargs):
                             "--num-distributed-optimizer-instances)",
                             "their gradient all-reduce is not under the exact sum")
     force_all_reduce = bool(argument(args, kwargs, 0, "force_all_reduce", False))
-    sharded = config.use_distributed_optimizer and not force_all_reduce
     if config.use_distributed_optimizer:
         group = instance.intra_distributed_optimizer_instance_group
         rank, size = instance.intra_distributed_optimizer_instance_rank, instance.intra_distributed_optimizer_instance_size
     else:
         group = instance.data_parallel_group
         rank, size = group.rank(), group.size()
+    shard = (rank, size) if config.use_distributed_optimizer and not force_all_reduce else None
     for bucket in instance.buckets:
         exact = _accumulator(bucket)
-        shard = (rank, size) if sharded else None
         pending = [_defer_tied(bucket, p, exact, group, shard) for p in bucket.params_list if _tied_across_stages(p)]
-        if sharded:
-            piece = bucket.grad_data.numel() // size
-            bucket.grad_data[rank * piece:(rank + 1) * piece].copy_(exact.total(group, shard=shard))
-        else:
-            bucket.grad_data.copy_(exact.total(group))
+        _write_sum(exact, bucket.grad_data, group, shard)
         for param in pending:
             param.main_grad.zero_()  # its sum comes with the other stage's terms (_word_embedding_grads)
         exact.reset()
     overlapped = config.overlap_grad_reduce
     instance.grad_reduce_handle = _Done() if overlapped else None
     return None
+
+
+def _write_sum(exact, target, group, shard) -> None:
+    """``exact``'s sum over ``group`` rounded once into ``target`` -- only this rank's piece of it
+    when ``shard=(rank, size)`` (the distributed optimizer's reduce-scatter)."""
+    if shard is None:
+        target.copy_(exact.total(group))
+        return
+    rank, size = shard
+    piece = target.numel() // size
+    target[rank * piece:(rank + 1) * piece].copy_(exact.total(group, shard=shard))
 
 
 def _tied_across_stages(param) -> bool:
@@ -165,13 +171,13 @@ def _defer_tied(bucket, param, exact, group, shard):
         refuse_tp_invariant("a tied embedding whose gradient was not summed across pipeline stages after the "
                             "last step (finalize_model_grads not called)",
                             "its gradient would lack the other stage's terms")
-    start = param.main_grad.storage_offset() - bucket.grad_data.storage_offset()
     if shard is not None:
         if len(bucket.params_list) != 1:  # upstream gives it a bucket of its own under the distributed optimizer
             refuse_tp_invariant("a tied embedding sharing its bucket under the distributed optimizer",
                                 "its shard of the sum across stages must be the same on both stages")
         terms, target = exact.piece(0, bucket.grad_data.numel()), bucket.grad_data
     else:
+        start = param.main_grad.storage_offset() - bucket.grad_data.storage_offset()
         terms, target = exact.piece(start, start + param.numel()), param.main_grad.view(-1)
     setattr(param, _TIED_PENDING, (terms, target, group, shard))
     return param
@@ -194,12 +200,7 @@ def _word_embedding_grads(wrapped, instance, args, kwargs):
         terms, target, group, shard = getattr(param, _TIED_PENDING)
         delattr(param, _TIED_PENDING)
         terms.merge(embd_group)
-        if shard is None:
-            target.copy_(terms.total(group))
-        else:
-            rank, size = shard
-            piece = target.numel() // size
-            target[rank * piece:(rank + 1) * piece].copy_(terms.total(group, shard=shard))
+        _write_sum(terms, target, group, shard)
     return None
 
 

@@ -142,8 +142,7 @@ class Accumulator:
             return
         top = self.top.clone()
         torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-        shift = torch.where(self.top == EMPTY, torch.zeros_like(top), top - self.top).to(torch.int32)
-        limbs = _drop_limbs(self.limbs, shift).to(torch.int64)
+        limbs = self._limbs_on(top).to(torch.int64)
         count = torch.tensor([max(self.counts.values(), default=0)], dtype=torch.int64, device=top.device)
         torch.distributed.all_reduce(limbs, group=group)
         torch.distributed.all_reduce(count, group=group)
@@ -159,10 +158,14 @@ class Accumulator:
         self.limbs.zero_()
         self.counts.clear()
 
+    def _limbs_on(self, top: torch.Tensor) -> torch.Tensor:
+        """This accumulator's limbs on the grid of ``top`` (>= its own top bins)."""
+        shift = torch.where(self.top == EMPTY, torch.zeros_like(top), top - self.top).to(torch.int32)
+        return _drop_limbs(self.limbs, shift)
+
     def _aligned(self, top: torch.Tensor) -> torch.Tensor:
         """This accumulator's sums on the grid of ``top`` (>= its own), as one int64 per element."""
-        shift = torch.where(self.top == EMPTY, torch.zeros_like(top), top - self.top).to(torch.int32)
-        limbs = _drop_limbs(self.limbs, shift).to(torch.int64)
+        limbs = self._limbs_on(top).to(torch.int64)
         total = limbs[0]
         for k in range(1, LIMBS):
             total = total + limbs[k] * (1 << (BIN * k))
