@@ -6,7 +6,6 @@ seconds, not at the harness's timeout.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import torch
 
 from megapatch.core.errors import CrossRankMismatchError
 from megapatch.testing import RankFailure, RankTimeout, run_ranks
+from megapatch.testing.ranks.ports import rendezvous_port
 
 from conftest import REPO, environ_without_megapatch, run_python
 
@@ -138,12 +138,6 @@ def test_same_logits_dtype_passes():
 
 # -- Megatron-LM order: megatron imported before the process group; a rank set to native -------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("peer, named", [
     ({"MEGAPATCH_TP_REDUCE_DTYPE": "native"}, "rank 1 runs tp_reduce_dtype=native (this rank: fp32)"),
     # issue 19 item 12: the kill switch on one rank of a job that asks for FP32 everywhere
@@ -153,7 +147,7 @@ def _free_port() -> int:
 def test_a_native_or_switched_off_rank_is_named_at_once_in_the_megatron_lm_order(peer, named):
     script = os.path.join(REPO, "tests", "scripts", "megatron_lm_order_tp2.py")
     base = environ_without_megapatch()
-    base.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    base.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous_port()),
                 PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MEGAPATCH_CHECK_TIMEOUT=NEVER)
     procs = []
     for rank, variables in enumerate(({"MEGAPATCH_TP_REDUCE_DTYPE": "fp32"}, peer)):

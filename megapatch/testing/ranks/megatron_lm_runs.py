@@ -216,9 +216,12 @@ def launch_command(checkout: Path, command: Sequence[str], *,
 LAUNCH_MARKER = "MPTEST_LAUNCH"
 
 
-def _kill_marked(marker: str) -> None:
-    """SIGKILL every process of this user whose environment carries ``LAUNCH_MARKER=marker``."""
+def _kill_marked(marker: str, grace: float = 30.0) -> None:
+    """SIGKILL every process of this user whose environment carries ``LAUNCH_MARKER=marker``, and
+    wait (up to ``grace`` seconds) until each has exited: a killed process still holds its ports and
+    files until the kernel has torn it down, and the next job may want them."""
     needle = f"{LAUNCH_MARKER}={marker}".encode()
+    killed = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -226,8 +229,23 @@ def _kill_marked(marker: str) -> None:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if needle in f.read().split(b"\0"):
                     os.kill(int(entry), signal.SIGKILL)
+                    killed.append(int(entry))
         except OSError:  # gone meanwhile, or not ours to read
             continue
+    deadline = time.monotonic() + grace
+    while killed and time.monotonic() < deadline:
+        killed = [pid for pid in killed if _running(pid)]
+        if killed:
+            time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited (a zombie has: only its parent's wait is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _descendants(pid: int) -> List[int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 from datetime import timedelta
@@ -26,12 +25,6 @@ from typing import Any, Dict, List
 
 WORLD = 2
 GROUP_TIMEOUT_S = 120  # gloo's default is 30 minutes: a rank whose peer never came would outlive the test
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MegatronRank:
@@ -87,7 +80,9 @@ class MegatronRank:
 def _run_job(actor_class: Any, job: Dict[str, Any]) -> List[Dict[str, Any]]:
     import ray
 
-    port = _free_port()
+    from megapatch.testing.ranks.ports import rendezvous_port
+
+    port = rendezvous_port()
     actors = []
     for rank, extra in enumerate(job["env"]):
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(job["env"])),
