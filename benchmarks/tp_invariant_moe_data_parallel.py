@@ -23,9 +23,7 @@ from megapatch.testing.ranks import megatron_lm_runs as mlm  # noqa: E402
 from megapatch.testing.scenarios import layouts, tp_resume  # noqa: E402
 
 PROBE = str(REPO / "tests" / "scripts" / "megatron_lm_probe.py")
-MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--qk-layernorm",
-       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3",
-       "--moe-token-dispatcher-type", "alltoall")
+MOE = layouts.MOE
 MODES = {"tp_invariant": {"MEGAPATCH_TP_INVARIANT": "1"}, "native": {}}
 LAYOUTS = {"tp_invariant": ((1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)), "native": ((1, 1), (2, 1), (4, 1))}
 

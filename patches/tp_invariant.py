@@ -584,8 +584,9 @@ def _moe_coverage() -> str:
     return ("router gating GEMM and top-k per token block, routed experts (SequentialMLP, expert TP = TP) and "
             "shared experts through the fixed tree, aux and z losses; dispatchers allgather (EP 1) and alltoall "
             "(any EP, each source rank's tokens one block); bit-identical across TP, EP and data-parallel sizes "
-            "(each source rank's expert weight gradient a term of the exact data-parallel sum), not across a "
-            "micro-batch-size change (a micro-batch's tokens share an expert's GEMMs); refused at construction: "
+            "(each source rank's expert weight gradient a term of the exact data-parallel sum) and micro-batch "
+            "sizes (tp_invariant.moe_micro_batch: a micro-batch's sequences one at a time, aux and z losses per "
+            "sequence); refused at construction: "
             + "; ".join(refused))
 
 

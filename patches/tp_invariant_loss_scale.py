@@ -6,7 +6,10 @@ the micro-batch's summed loss by its token count and by the number of micro-batc
 divides the gradients by the DP size before its collective: three roundings whose values depend on
 the layout. Under the mode the seed is ``fl32(1 / (tokens in the micro-batch x micro-batches x
 DP))`` times the loss scale, rounded once (``tp_invariant.data_parallel`` leaves out DDP's
-``1/DP``); the MoE auxiliary- and MTP-loss scales likewise ``fl32(1 / (micro-batches x DP))``.
+``1/DP``); the MTP-loss scale likewise ``fl32(1 / (micro-batches x DP))``, the MoE auxiliary-loss
+scale ``fl32(1 / (micro-batches x DP x sequences per MoE call))``: an MoE layer runs a micro-batch
+one sequence at a time under the mode (``tp_invariant.micro_batch``), each call's aux loss one
+sequence's, so the scale is one over the global batch's sequences at every micro-batch size.
 With ``--calculate-per-token-loss`` upstream already scales once (``finalize_model_grads``:
 ``1/total tokens``) and the seed stays upstream's. The per-micro-batch loss report (``'lm loss':
 [sum, tokens]``) is handed on in FP64, where Megatron-LM's sums of it over micro-batches and
@@ -79,7 +82,7 @@ def _forward_step_calc_loss(wrapped, instance, args, kwargs):
     device = argument(args, kwargs, 1, "output_tensor").device
     scale = (float(config.grad_scale_func(torch.ones(1, device=device)).item())
              if config.grad_scale_func is not None else 1.0)
-    per_microbatch = _fp32(_fp32(cp / (microbatches * dp)) * scale)  # legacy losses and MoE aux losses
+    per_microbatch = _fp32(_fp32(cp / (microbatches * dp)) * scale)  # legacy losses
 
     def seeded(output_tensor):
         outputs = loss_func(output_tensor)
@@ -98,7 +101,10 @@ def _forward_step_calc_loss(wrapped, instance, args, kwargs):
         kwargs = {**kwargs, "loss_func": seeded}
     result = wrapped(*args, **kwargs)
     if not per_token:
-        _rescale_auxiliary_losses(config, per_microbatch, _fp32(_fp32(1.0 / (microbatches * dp)) * scale))
+        # an MoE layer run one sequence at a time (tp_invariant.micro_batch): each call's aux loss is
+        # one sequence's, scaled as at micro-batch size 1 (the same integer count of the global batch)
+        per_call = _fp32(_fp32(cp / (microbatches * dp * tpi.moe_sequences_per_call())) * scale)
+        _rescale_auxiliary_losses(config, per_call, _fp32(_fp32(1.0 / (microbatches * dp)) * scale))
     return result
 
 

@@ -856,6 +856,36 @@ def test_tp_invariant_steps_are_the_same_at_any_data_parallel_size_pipeline_dept
 
 @pytest.mark.slow
 @pytest.mark.resumes
+def test_tp_invariant_moe_steps_are_the_same_at_micro_batch_sizes_and_data_parallel_sizes(checkout, tmp_path_factory):
+    """Issue 37 on a Qwen3-MoE-shaped model (8 experts top-2, alltoall, QK RMSNorm, aux and z losses):
+    a micro-batch's sequences share the router's and the experts' GEMMs and weight-gradient sums,
+    and upstream pools their tokens into one load-balancing loss. Under the mode an MoE layer runs a
+    micro-batch one sequence at a time (``tp_invariant.micro_batch``) and each aux loss is scaled by
+    one over the global batch's sequences. Resumed from one checkpoint (TP 1 x DP 1, mbs 1, saved
+    after one step), the next two steps at mbs 4 and at TP 2 x DP 2 mbs 2 (sequence parallelism,
+    expert TP 2) leave all 48 checkpoint tensors and the full-precision grad norms as the
+    uninterrupted run does. Without the per-sequence MoE run mbs 4 changed 43 of them; with it but
+    the aux-loss scale of upstream's micro-batch, 46 (checked by hand, results/tp_invariant_layouts.md)."""
+    from megapatch.testing.scenarios import layouts
+
+    _tp_invariant_revision(checkout)
+    L = layouts.Layout
+    grid = [L(mbs=4), L(tp=2, dp=2, mbs=2)]
+    runs = layouts.experiment(checkout[1], tmp_path_factory.mktemp("moe-layouts"), {"MEGAPATCH_TP_INVARIANT": "1"},
+                              grid, probe=PROBE, label="moe", timeout=TIMEOUT,
+                              extra=(*layouts.MOE, "--sequence-parallel"))  # SP: TP > 1 only
+    full = runs["full"]
+    reference = full.tensors()
+    assert len(full.exact_norms) == 3 and any(".experts." in key for key in reference), full.run.tail()
+    for layout in grid:
+        run = runs[layout.label]
+        assert "tp_invariant.moe_micro_batch" in run.run.active_patches, run.run.tail()
+        assert run.exact_norms == full.exact_norms[1:], layout
+        assert layouts.tp_resume.differences(reference, run.tensors()) == {}, layout
+
+
+@pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_tied_embeddings_step_is_the_same_at_micro_batch_sizes_and_pipeline_depths(
         checkout, tmp_path_factory):
     """Issue 37 with tied embeddings (the Llama flags without --untie-embeddings-and-output-weights).

@@ -222,7 +222,7 @@ def test_status_prints_what_tp_invariant_moe_covers_and_refuses(monkeypatch):
                  "--moe-router-force-load-balancing", "--moe-latent-size", "--moe-router-dtype",
                  "--moe-router-load-balancing-type", "--disable-bias-linear", "--expert-model-parallel-size",
                  "calculate_per_token_loss", "expert_tensor_parallel_size", "one expert per EP rank",
-                 "TP, EP and data-parallel sizes", "not across a micro-batch-size change"):
+                 "TP, EP and data-parallel sizes", "and micro-batch sizes", "aux and z losses per sequence"):
         assert word in line, (word, line)
 
 

@@ -84,6 +84,21 @@ def _hand_over(sink, terms: List[torch.Tensor], shared: bool) -> torch.Tensor:
     return terms[0]
 
 
+_moe_sequences = [1]
+
+
+def note_moe_sequences_per_call(n: int) -> None:
+    """Record that the MoE layer just run split its micro-batch into calls of one sequence each
+    (``n`` sequences; 1: one call on the whole micro-batch)."""
+    _moe_sequences[0] = n
+
+
+def moe_sequences_per_call() -> int:
+    """The last MoE layer's sequences run one at a time (1 when it ran the micro-batch whole):
+    each of those calls' aux and z losses is one sequence's."""
+    return _moe_sequences[0]
+
+
 def sequence(t: torch.Tensor, i: int) -> torch.Tensor:
     """Sequence ``i`` of an ``[s, b, ...]`` activation, as ``[s, 1, ...]``."""
     return t[:, i:i + 1]

@@ -27,6 +27,10 @@ LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", 
          "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--no-bias-swiglu-fusion",
          "--make-vocab-size-divisible-by", "32", "--ckpt-format", "torch_dist", "--clip-grad", "0.05")
 MODEL = dict(hidden=64, layers=4, vocab=255, lr=3e-3, seq=32)
+#: with ``LLAMA``: a Qwen3-MoE-shaped layer (8 experts top-2, QK RMSNorm, aux and z losses, alltoall)
+MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--qk-layernorm",
+       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3",
+       "--moe-token-dispatcher-type", "alltoall")
 _GRAD_NORM = re.compile(r"iteration\s+(\d+)/.*?grad norm: ([0-9.eE+-]+)")
 
 
