@@ -16,6 +16,8 @@
    and not, with partial sums that cancel across ranks (each rank's partial carries +-L, L large):
    natively each BF16 partial is rounded before the sum, losing the small part; under ``fp32`` the
    GEMM's FP32 accumulator is reduced and rounded once.
+3. megatron-core's ``TERowParallelLinear`` (built from a ``TransformerConfig``) at TP 2, SP and not,
+   under the same two modes and inputs.
 
 Needs Transformer Engine (a venv with ``../shared/te-cpu/install.sh``); skipped elsewhere.
 """
@@ -549,3 +551,58 @@ def test_fp32_figures(fp32_runs, capsys):
         assert errs[1] < errs[0]
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+# -- megatron-core's TE wrapper --------------------------------------------------------------------
+
+def _mcore_rank(ctx):
+    from megatron.core.extensions.transformer_engine import TERowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    import megapatch
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+    found = {}
+    for mode in ("native", "fp32"):
+        megapatch.disable()
+        megapatch.enable(tp_reduce_dtype=mode, strict=False)  # strict=False: see _fp32_rank
+        for sp in (False, True):
+            layouts = _fp32_layouts("Linear", sp)
+            full = fp32_case_tensors("Linear", ctx.tp_size)
+            with te_cpu_runtime():
+                config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4,
+                                           params_dtype=BF16, bf16=True, use_cpu_initialization=True,
+                                           tensor_model_parallel_size=ctx.tp_size, sequence_parallel=sp)
+                layer = TERowParallelLinear(HIDDEN, OUT, config=config, init_method=torch.nn.init.zeros_,
+                                            bias=True, input_is_parallel=True, skip_bias_add=False,
+                                            is_expert=False)
+                with torch.no_grad():
+                    for name, param in layer.named_parameters():
+                        param.copy_(shard(full[name], _fp32_layouts("Linear", False)[name], ctx.tp_size, ctx.tp_rank))
+                x = shard(full["x"], layouts["x"], ctx.tp_size, ctx.tp_rank).to(BF16).requires_grad_()
+                y, _ = layer(x)
+                y.backward(shard(full["grad_out"], layouts["y"], ctx.tp_size, ctx.tp_rank).to(BF16))
+            result = {"y": y.detach().float(), "dx": x.grad.float()}
+            result.update({name: p.grad.float() for name, p in layer.named_parameters()})
+            found[(mode, "Linear", ctx.tp_size, sp)] = result
+    megapatch.disable()
+    return found
+
+
+@pytest.fixture(scope="module")
+def mcore_runs():
+    return run_ranks(_mcore_rank, 2, tp=2, timeout=300)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_megatron_core_te_row_parallel_linear_under_fp32(mcore_runs, sp):
+    """megatron-core's TERowParallelLinear (a te.Linear built from a TransformerConfig) constructs and
+    runs on CPU through the runtime; under fp32 its forward is the oracle's, natively it is not."""
+    runs = mcore_runs
+    want = fp32_oracle("Linear", 2)
+    native = _fp32_assembled(runs, "native", "Linear", 2, sp)
+    fp32 = _fp32_assembled(runs, "fp32", "Linear", 2, sp)
+    err_native, err_fp32 = normalized_error(native["y"], want["y"]), normalized_error(fp32["y"], want["y"])
+    assert err_fp32 * 8 < err_native, (err_fp32, err_native)
+    for name in want:
+        assert normalized_error(fp32[name], want[name]) <= TOLERANCE, name
