@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import math
 
 import pytest
 import torch

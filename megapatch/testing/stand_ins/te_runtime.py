@@ -51,7 +51,7 @@ import functools
 import math
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
