@@ -33,9 +33,10 @@ def surface_refusals(prefix: str) -> tuple:
     from megapatch.core import engine
 
     # a patch whose hook package is absent (megatron.rl, a Megatron-LM checkout's) has no verdict
-    # here, as doctor says: it is checked where a job imports it
+    # here, as doctor says: it is checked where a job imports it; nor one whose package is absent
+    # (megatron-core's TE wrappers without TE: stand-ins, nothing to wrap)
     return tuple(f"{p.name}: {reason}" for p in engine.patches()
-                 if p.name.startswith(prefix) and _findable(p.hook_package)
+                 if p.name.startswith(prefix) and _findable(p.hook_package) and _findable(p.package_module)
                  for reason in engine.check(p))
 
 

@@ -131,8 +131,9 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
             row["problems"].append(error)
         row["opted_out"] = bool(patch.left_out(settings.skip_patches))
     top = patch.hook.split(".")[0]
-    if not _findable(top):
-        row["problems"].append(f"{top} is not installed")
+    needs = patch.package_module  # megatron-core's TE wrappers need TE itself
+    if not _findable(top) or not _findable(needs):
+        row["problems"].append(f"{needs if _findable(top) else top} is not installed")
     elif not _findable(patch.hook_package):  # megatron.rl: a Megatron-LM checkout's, not megatron-core's
         row["absent"] = patch.hook_package
     else:

@@ -20,8 +20,12 @@ from megapatch.core.upstream_versions import version_of
 
 LOCK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "surface_lock")
 # megatron.rl ships in Megatron-LM's checkout, not in the megatron-core wheel the locks are taken from:
-# its targets are checked where a job imports them (the surface check at install), not locked
-_PACKAGE_OF_MODULE = (("megatron.rl", "megatron-lm"), ("megatron", "megatron-core"), ("transformer_engine", "transformer-engine"),
+# its targets are checked where a job imports them (the surface check at install), not locked. Likewise
+# megatron-core's Transformer Engine wrappers: without TE they are stand-ins built on a mock, so they are
+# checked where TE is installed (at install, and in CI's te stage), with TE's own targets
+_PACKAGE_OF_MODULE = (("megatron.rl", "megatron-lm"),
+                      ("megatron.core.extensions.transformer_engine", "transformer-engine"),
+                      ("megatron", "megatron-core"), ("transformer_engine", "transformer-engine"),
                       ("torch", "torch"))
 
 

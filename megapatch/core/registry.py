@@ -40,6 +40,9 @@ class Target:
         return f"{self.module}.{self.attr}"
 
 
+_PACKAGE_MODULES = {"megatron-core": "megatron", "transformer-engine": "transformer_engine", "torch": "torch"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Patch:
     """One unit of behaviour change, installed and removed as a whole.
@@ -89,6 +92,12 @@ class Patch:
         cannot be imported (a Megatron-LM checkout's module beside the megatron-core wheel) there is
         nothing to check until a job imports it."""
         return self.hook.rpartition(".")[0] or self.hook
+
+    @property
+    def package_module(self) -> str:
+        """The top-level module ``package`` installs (``transformer_engine`` for transformer-engine):
+        a patch on megatron-core's TE wrappers has nothing to wrap where TE itself is absent."""
+        return _PACKAGE_MODULES.get(self.package, self.hook.split(".")[0])
 
     def left_out(self, skip_patches) -> Tuple[str, ...]:
         """The opted-out patch names that leave this patch out: its own, or one it builds on."""
