@@ -367,6 +367,33 @@ def test_generic_gemm_layouts_accumulate_and_epilogues():
     assert torch.equal(act, F.gelu(pre_want, approximate="tanh").to(BF16))
 
 
+def test_megatron_core_clipping_runs_the_multi_tensor_kernels_on_cpu():
+    """megatron-core binds TE's multi_tensor_scale / multi_tensor_l2norm at import when TE is
+    installed (gradient clipping, the BF16 optimizer's copies): inside the runtime its own bound
+    names run the CPU kernels -- the scale's product in FP32 written in the target's dtype, the norm
+    against a float64 oracle, a non-finite input flagged."""
+    from megatron.core.optimizer import clip_grads
+
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(5, 3, generator=g) * 7, torch.randn(11, generator=g).to(BF16)]
+    targets = [torch.empty(5, 3), torch.empty(11, dtype=BF16)]
+    with te_cpu_runtime() as calls:
+        flag = torch.zeros(1, dtype=torch.int)
+        clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, flag, [grads, targets], 0.3)
+        total, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, flag, [grads], False)
+        bad = torch.zeros(1, dtype=torch.int)
+        clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, bad,
+                                        [[torch.tensor([1.0, float("inf")])], [torch.empty(2)]], 2.0)
+    assert calls == ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_scale"]
+    for grad, target in zip(grads, targets):
+        assert torch.equal(target, (grad.float() * 0.3).to(target.dtype))
+    want = torch.cat([t.double().flatten() for t in grads]).norm()
+    assert total.dtype == torch.float32 and abs(total.item() - want.item()) <= 1e-6 * want.item()
+    assert flag.item() == 0 and bad.item() == 1
+
+
 def test_unsupported_paths_are_refused_by_name():
     from megapatch.testing.stand_ins.te_runtime import NotOnCpuRuntime, te_cpu_runtime
 

@@ -29,9 +29,15 @@ contracts of ``csrc/extensions/gemm.cpp`` and ``normalization.cpp``):
   apply the activation to the first half of the last dimension and multiply by the second, TE's
   convention): computed in FP32 from the input, rounded once to the input's dtype.
 
+* ``tex.multi_tensor_scale`` / ``tex.multi_tensor_l2norm`` (through TE's ``multi_tensor_applier``,
+  which megatron-core's gradient clipping and BF16 optimizer bind at import when TE is installed):
+  the scale's product in FP32 written in the output's dtype; the norm in FP32 (torch's summation
+  order, not the kernel's chunked one); a non-finite value sets the no-op flag.
+
 On the way, what is CUDA-only in those modules, replaced for the same scope: ``torch.cuda.is_available``
 (TE's modules refuse to construct without CUDA), ``torch.cuda.current_device`` (allocation device:
-the CPU), ``torch.cuda.is_current_stream_capturing`` (never), the cuBLAS workspace
+the CPU), ``torch.cuda.is_current_stream_capturing`` (never; and torch's optimizers' own
+graph-capture check, which would ask CUDA for its stream), the cuBLAS workspace
 (``cpp_extensions.gemm.get_cublas_workspace``: an empty CPU buffer), and the ``inp.is_cuda`` check
 of ``TransformerEngineBaseModule.prepare_forward``, answered True for that one input tensor during
 that call. Construct the modules inside the scope with ``device="cpu"``.
@@ -312,8 +318,37 @@ def _gated_backward(name: str) -> Callable:
     return backward
 
 
+# -- the optimizer's multi-tensor kernels (megatron-core's gradient clipping and FP16 copies bind
+#    them from transformer_engine.pytorch.optimizers when TE is installed) -------------------------
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``out[i] = in[i] * scale`` for ``tensor_lists = [inputs, outputs]``, the product in FP32
+    (TE's kernel computes in float) written in the output's dtype; a non-finite input sets
+    ``noop_flag`` to 1."""
+    inputs, outputs = tensor_lists[0], tensor_lists[1]
+    for source, target in zip(inputs, outputs):
+        product = source.float() * scale
+        if not torch.isfinite(source).all():
+            noop_flag.fill_(1)
+        target.copy_(product.to(target.dtype))
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+    """``(total, per_tensor_norms)``: the FP32 L2 norm of all of ``tensor_lists[0]`` together (a
+    one-element FP32 tensor) and, with ``per_tensor``, each tensor's; summed in torch's order (the
+    CUDA kernel's is per chunk, then across chunks: the figures may differ in the last bits)."""
+    tensors = tensor_lists[0]
+    norms = torch.stack([t.float().norm() for t in tensors]) if tensors else torch.zeros(0)
+    if tensors and not torch.isfinite(norms).all():
+        noop_flag.fill_(1)
+    total = norms.norm().reshape(1) if tensors else torch.zeros(1)
+    return total, (norms if per_tensor else torch.zeros(0))
+
+
 #: every tex function the runtime implements, by name
 KERNELS: Dict[str, Callable] = {
+    "multi_tensor_scale": multi_tensor_scale,
+    "multi_tensor_l2norm": multi_tensor_l2norm,
     "generic_gemm": generic_gemm,
     "layernorm_fwd": layernorm_fwd,
     "layernorm_bwd": layernorm_bwd,
@@ -408,6 +443,9 @@ def _prepare_forward_on_cpu(original):
     return prepare_forward
 
 
+_HOLDERS = ("transformer_engine.", "megatron.core.optimizer.")
+
+
 class _Runtime:
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -436,9 +474,10 @@ class _Runtime:
         stand_ins[id(jit.bias_gelu_fused)] = bias_gelu_fused
         stand_ins[id(jit.bgrad_dgelu_fused)] = bgrad_dgelu_fused
         # in tex itself, and every name TE bound from it or from these modules (``cpp_extensions``
-        # star-imports tex; the layer modules import the jit functions and _empty_tensor by name)
+        # star-imports tex; the layer modules import the jit functions and _empty_tensor by name;
+        # megatron-core's optimizer binds TE's multi-tensor kernels at import)
         holders = [module for name, module in list(sys.modules.items())
-                   if module is not None and (name == tex.__name__ or name.startswith("transformer_engine."))]
+                   if module is not None and (name == tex.__name__ or name.startswith(_HOLDERS))]
         for module in holders:
             for name, value in list(vars(module).items()):
                 if id(value) in stand_ins and callable(value) and not isinstance(value, type):
@@ -448,6 +487,10 @@ class _Runtime:
         put(torch.cuda, "is_available", lambda _o: lambda: True)
         put(torch.cuda, "current_device", lambda _o: lambda: cpu)
         put(torch.cuda, "is_current_stream_capturing", lambda _o: lambda: False)
+        if hasattr(torch.optim.Optimizer, "_accelerator_graph_capture_health_check"):
+            # torch's optimizers ask the CUDA stream whether it is capturing once CUDA is said to be
+            # available: nothing captures here
+            put(torch.optim.Optimizer, "_accelerator_graph_capture_health_check", lambda _o: lambda self: None)
 
     def acquire(self) -> None:
         with self.lock:
