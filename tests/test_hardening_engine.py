@@ -808,3 +808,44 @@ def test_a_rollback_that_cannot_reinstall_a_patch_says_so_and_restores_the_rest(
     assert any("reinstalling stand.in failed" in r.getMessage() for r in caplog.records), caplog.records
     assert state.current() == options.Settings(logits_dtype="fp32") and engine_records._enabled is True
     assert engine_records._skipped == {"other": "a skip reason"} and "stand.in" not in engine_records._installed
+
+
+def test_a_patch_whose_targets_span_modules_installs_once_the_last_of_them_is_imported(monkeypatch, tmp_path):
+    """megatron-core imports ``distributed_data_parallel`` (tp_invariant.data_parallel's hook) before
+    ``finalize_model_grads`` (one of its targets): with TE installed that order reached the hook's
+    import first and ``import megatron.core`` failed under the mode. A patch now waits for every
+    module it needs; here a package imports the hook's module, then the target's."""
+    import sys
+
+    import megapatch
+    from megapatch.core import engine as core_engine
+    from megapatch.core.registry import Patch, Target
+
+    package = tmp_path / "mp_order_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import first\nfrom . import second\n")
+    (package / "first.py").write_text("def fn():\n    return 'first'\n")
+    (package / "second.py").write_text("def fn():\n    return 'second'\n")
+    wrap = lambda w, i, a, k: ("wrapped", w(*a, **k))  # noqa: E731
+    patch = Patch(name="stand.in", option="logits_dtype", summary="a stand-in", hook="mp_order_pkg.first",
+                  targets=(Target("mp_order_pkg.first", "fn", wrap), Target("mp_order_pkg.second", "fn", wrap)),
+                  applies=lambda s: s.logits_dtype == "fp32")
+    for name in ("_installed", "_skipped", "_failed"):
+        monkeypatch.setattr(core_engine, name, {})
+    monkeypatch.setattr(core_engine, "_patches", (patch,))
+    monkeypatch.setattr(core_engine, "_hooked", set())
+    monkeypatch.setattr(core_engine, "_loaded", set())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("mp_order_pkg", "mp_order_pkg.first", "mp_order_pkg.second"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    megapatch.enable(logits_dtype="fp32")
+    try:
+        report = next(r for r in megapatch.status().patches if r.name == "stand.in")
+        assert report.state == "pending-import" and "mp_order_pkg.first" in report.reason
+        import mp_order_pkg
+
+        assert mp_order_pkg.first.fn() == ("wrapped", "first") and mp_order_pkg.second.fn() == ("wrapped", "second")
+        assert "stand.in" in core_engine._installed
+    finally:
+        megapatch.disable()
+    assert mp_order_pkg.first.fn() == "first" and mp_order_pkg.second.fn() == "second"

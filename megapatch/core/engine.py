@@ -29,6 +29,7 @@ _installed: Dict[str, List[wrappers.Installed]] = {}
 _skipped: Dict[str, str] = {}  # strict=False: the patch could not apply, upstream behaviour kept
 _failed: Dict[str, str] = {}  # strict: installing at import raised (the import failed)
 _hooked: set = set()
+_loaded: set = set()  # hooked modules whose import has finished (their post-import hook fired)
 _announcing: Dict[str, List[wrappers.Installed]] = {}  # kill switch: the publish-only patches
 
 
@@ -243,12 +244,13 @@ def _apply(settings, sources, wanted) -> None:
             continue
         _skipped.pop(patch.name, None)
         _failed.pop(patch.name, None)
-        if patch.hook in _hooked and patch.hook in sys.modules:
-            # the hook fired once already and will not fire again: install now
+        if _imported(patch):
+            # the hooks fired once already and will not fire again: install now
             if patch.name not in _installed:
                 _install(patch, settings.strict)
         else:
-            _register_hook(patch.hook)  # fires at once (installs) when the module is imported
+            for module in patch.modules:  # each fires at once when imported; the last one installs
+                _register_hook(module)
     for patch in reversed(patches()):
         if patch not in wanted:
             _skipped.pop(patch.name, None)
@@ -303,15 +305,23 @@ def _register_hook(module_name: str) -> None:
     wrapt.register_post_import_hook(_on_import, module_name)
 
 
+def _imported(patch: Patch) -> bool:
+    """Whether every module ``patch`` needs has finished importing (and is still imported)."""
+    return all(name in _loaded and name in sys.modules for name in patch.modules)
+
+
 def _on_import(module) -> None:
-    """Install the patches this module's import makes possible. Under strict=False this never
-    raises (a failure skips the patch); under strict=True the import fails with the reason."""
+    """Install the patches this module's import makes possible: those it is one of the modules of,
+    once all of them are imported. Under strict=False this never raises (a failure skips the
+    patch); under strict=True the import fails with the reason."""
     with _lock:
+        _loaded.add(module.__name__)
         if not _enabled:
             return
         settings = state.current()
         for patch in patches():
-            if patch.hook != module.__name__ or not _wanted(patch, settings) or patch.name in _installed:
+            if (module.__name__ not in patch.modules or not _wanted(patch, settings)
+                    or patch.name in _installed or not _imported(patch)):
                 continue
             try:
                 _install(patch, settings.strict)
@@ -404,7 +414,10 @@ def _report(patch: Patch, settings) -> PatchReport:
         return PatchReport(patch.name, patch.option, patch.summary, "opted-out",
                            reason=f"{builds_on}left out on purpose: skip_patches from {state.sources()['skip_patches']}")
     if _enabled and patch.applies(settings):
+        waiting = [name for name in patch.modules if not (name in _loaded and name in sys.modules)]
+        if not waiting or patch.hook in waiting:  # the hook's import brings the rest, as a rule
+            waiting = [patch.hook]
         return PatchReport(patch.name, patch.option, patch.summary, "pending-import",
-                           reason=f"installs when {patch.hook} is imported")
+                           reason=f"installs when {' and '.join(waiting)} {'is' if len(waiting) == 1 else 'are'} imported")
     reason = "megapatch is disabled" if not _enabled else f"not requested ({patch.option} is native)"
     return PatchReport(patch.name, patch.option, patch.summary, "inactive", reason=reason)

@@ -94,6 +94,13 @@ class Patch:
         return self.hook.rpartition(".")[0] or self.hook
 
     @property
+    def modules(self) -> Tuple[str, ...]:
+        """The modules the patch needs imported before it installs: its hook, then those of its
+        required targets (a target in a module the hook's import has not yet reached -- megatron-core
+        imports ``distributed_data_parallel`` before ``finalize_model_grads`` -- waits for it)."""
+        return tuple(dict.fromkeys((self.hook, *(t.module for t in self.targets if not t.optional))))
+
+    @property
     def package_module(self) -> str:
         """The top-level module ``package`` installs (``transformer_engine`` for transformer-engine):
         a patch on megatron-core's TE wrappers has nothing to wrap where TE itself is absent."""
