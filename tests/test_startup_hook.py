@@ -211,3 +211,36 @@ def test_a_trigger_another_thread_already_removed_arms_nothing_and_raises_nothin
     assert trigger.find_spec("megatron") is None and armed == [True] and trigger not in sys.meta_path
     assert trigger.find_spec("megatron") is None and armed == [True]  # the other thread's lookup
     assert trigger.find_spec("transformer_engine") is None and armed == [True]
+
+
+def test_activation_waits_for_an_outer_import_that_is_half_way(monkeypatch):
+    """With Transformer Engine installed, megatron-core's ``utils`` imports TE half-way through
+    ``import megatron.core``: TE's hook fired while ``megatron.core.parallel_state`` had no
+    ``initialize_model_parallel`` yet, and activation from the environment failed the import
+    (UpstreamSurfaceError) for every TE user. It now waits for megatron.core's own hook."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from megapatch.core import engine, startup
+
+    calls = []
+    monkeypatch.setattr(engine, "is_enabled", lambda: False)
+    monkeypatch.setattr(engine, "enable", lambda: calls.append("enable"))
+    outer = types.ModuleType("megatron.core")
+    outer.__spec__ = importlib.machinery.ModuleSpec("megatron.core", None)
+    outer.__spec__._initializing = True
+    inner = types.ModuleType("transformer_engine.pytorch")
+    inner.__spec__ = importlib.machinery.ModuleSpec("transformer_engine.pytorch", None)
+    inner.__spec__._initializing = True  # as at its own post-import hook
+    monkeypatch.setitem(sys.modules, "megatron.core", outer)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", inner)
+    monkeypatch.delenv(startup.ACTIVATED_ENV, raising=False)
+    startup._activate(inner)
+    assert calls == []  # megatron.core is half-way: wait
+    inner.__spec__._initializing = False  # TE's import ends, then megatron.core's body does
+    startup._activate(outer)  # megatron.core's own hook, its body done
+    assert calls == ["enable"]
+    outer.__spec__._initializing = False
+    startup._activate(inner)  # TE imported after megatron.core: activates at once
+    assert calls == ["enable", "enable"]

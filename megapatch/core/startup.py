@@ -121,6 +121,18 @@ def _parent_activated() -> bool:
     return os.environ.get(ACTIVATED_ENV) == str(os.getppid())
 
 
+def _inside_another_import(module) -> bool:
+    """Whether ``module`` finished importing inside another hooked module's import: megatron-core's
+    ``utils`` imports Transformer Engine half-way through ``megatron.core``, whose modules
+    (``parallel_state``, ...) are then half-initialised; activating there would check and wrap
+    them before their functions exist. That outer import's own hook activates when it is done."""
+    for name in HOOKED_MODULES:
+        outer = sys.modules.get(name)
+        if outer is not None and outer is not module and getattr(getattr(outer, "__spec__", None), "_initializing", False):
+            return True
+    return False
+
+
 def _activate(_module) -> None:
     import contextlib
 
@@ -128,6 +140,8 @@ def _activate(_module) -> None:
     from megapatch.core.errors import OptionError
 
     if engine.is_enabled():  # an explicit enable() in the script wins over the environment
+        return
+    if _inside_another_import(_module):
         return
     try:
         with report.muted() if _parent_activated() else contextlib.nullcontext():
