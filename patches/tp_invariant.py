@@ -64,7 +64,8 @@ QK layernorm (Qwen3): the per-head q/k norms' weight gradients sum over tokens a
 splits as W leaves of the fixed tree (``block_tree._head_leaves``), handed to upstream's TP
 all-reduce of those gradients on rank 0 only.
 
-Refused in this mode (with the reason): QK layernorm on a head count W cannot cut, norms other than torch's, Transformer Engine modules, fused
+Refused in this mode (with the reason): QK layernorm on a head count W cannot cut, norms other than torch's, Transformer Engine modules other than those
+``tp_invariant.transformer_engine`` runs, fused
 bias-activation, fewer KV groups than the TP size, gradient-accumulation fusion, deferred embedding wgrad,
 MoE settings outside the covered set (``_MOE_REFUSED``: expert parallelism with allgather, expert TP other than TP,
 flex dispatcher, grouped GEMM, permute/router fusion, shared-expert gate and overlap, token
@@ -107,14 +108,6 @@ _expert_rows = contextvars.ContextVar("megapatch_tp_invariant_expert_rows", defa
 
 
 _refuse = refuse_tp_invariant
-
-
-_TE_WHY = "Transformer Engine GEMMs choose their kernels by shape"
-
-
-def _refuse_te(layer) -> None:
-    if "transformer_engine" in type(layer).__module__:
-        _refuse(f"{type(layer).__qualname__}", _TE_WHY)
 
 
 # -- linear layers -------------------------------------------------------------------------------
@@ -214,23 +207,10 @@ def _row_forward(wrapped, instance, args, kwargs):
         output = tpi.ScatterSequence.apply(output, group)
     bias = instance.bias
     if bias is not None:  # its gradient sums over tokens: token blocks in the fixed tree
-        bias = tpi.TokenBlockedBias.apply(bias, output.shape, group, _token_blocks(output, group, split), split)
+        bias = tpi.TokenBlockedBias.apply(bias, output.shape, group, tpi.token_blocks(output, group, split), split)
     if instance.skip_bias_add:
         return output, bias
     return (output + bias if bias is not None else output), None
-
-
-def _token_blocks(tokens, group, split: bool) -> int:
-    """Blocks of consecutive sequence positions this rank's tokens ([s, b, h]) form: W, or W/t when
-    sequence parallelism splits the sequence over the TP group. Without it, a sequence W does not
-    divide is one block (the same at every TP size; such a run cannot use sequence parallelism
-    under the mode, which refuses it, so there is no split run to agree with)."""
-    if not split and tokens.shape[0] % tpi.width():
-        return 1
-    group = group if split else None
-    tpi.check_divisible("the sequence (tokens summed into a norm or bias gradient)",
-                        tokens.shape[0] * tpi.group_size(group), tokens.shape[0], group)
-    return tpi.blocks_per_rank(group)
 
 
 # -- norm layers -----------------------------------------------------------------------------------
@@ -250,6 +230,13 @@ def _norm_affine(module):
     if kind.__name__ == "FusedLayerNorm" and kind.__module__ == "megatron.core.fusions.fused_layer_norm":
         weight = module.weight + 1 if module.zero_centered_gamma else module.weight
         return (lambda x: F.layer_norm(x, module.hidden_size, None, None, module.eps), weight, module.bias)
+    if kind.__name__ in ("RMSNorm", "LayerNorm") and kind.__module__.startswith("transformer_engine.pytorch"):
+        # Transformer Engine's norms (megatron-core's TENorm): per token, gamma zero-centred or not
+        shape = tuple(module.weight.shape)
+        weight = module.weight + 1 if getattr(module, "zero_centered_gamma", False) else module.weight
+        if kind.__name__ == "RMSNorm":
+            return lambda x: F.rms_norm(x, shape, None, module.eps), weight, None
+        return lambda x: F.layer_norm(x, shape, None, None, module.eps), weight, module.bias
     return None
 
 
@@ -291,7 +278,7 @@ def _norm_forward(module, original, heads, hidden):
                                             tpi.blocks_per_rank(group), False, hidden.dtype, True)
     split = bool(getattr(module.weight, "sequence_parallel", False)) and tpi.group_size(group) > 1
     return tpi.TokenBlockedAffine.apply(normalise(hidden.float()), weight, bias, group,
-                                        _token_blocks(hidden, group, split), split, hidden.dtype)
+                                        tpi.token_blocks(hidden, group, split), split, hidden.dtype)
 
 
 def _tp_group_if_initialised():
@@ -330,8 +317,6 @@ def _mlp_forward(wrapped, instance, args, kwargs):
         refusal = _field_refusal(config, field)
         if refusal:
             _refuse(*refusal)
-    for layer in (instance.linear_fc1, instance.linear_fc2):
-        _refuse_te(layer)
     scale = argument(args, kwargs, 1, "per_token_scale", None)
     with contextlib.ExitStack() as scopes:
         if config.gated_linear_unit:
@@ -355,7 +340,7 @@ def _router_layout(router, tokens):
     """``(TP group, sequence parallel, token blocks)`` of a router's input or logits ``[s, b, ...]``."""
     group = getattr(router, "tp_group", None) or _tp_group_if_initialised()
     split = bool(getattr(router.config, "sequence_parallel", False)) and tpi.group_size(group) > 1
-    return group, split, _token_blocks(tokens, group, split)
+    return group, split, tpi.token_blocks(tokens, group, split)
 
 
 def _router_gating(wrapped, instance, args, kwargs):
@@ -689,11 +674,8 @@ def _expert_layout():
 
 
 def _preflight_model(config):
-    refusals = _config_refusals(config, config)  # the flags' config carries the vocabulary's fields
-    if getattr(config, "transformer_impl", "local") != "local":
-        refusals.append((f"transformer_impl={config.transformer_impl!r} (Megatron-LM: --transformer-impl, "
-                         f"default transformer_engine; use --transformer-impl local)", _TE_WHY))
-    return _described(refusals)
+    # Transformer Engine layers: tp_invariant.transformer_engine's preflight
+    return _described(_config_refusals(config, config))  # the flags' config carries the vocabulary's fields
 
 
 def _optimizer_instances(instances):
@@ -708,6 +690,23 @@ def _preflight_optimizer(config):
     return _described([_optimizer_instances(instances)] if distributed and instances > 1 else [])
 
 
+#: Transformer Engine modules the mode runs (tp_invariant.transformer_engine; TE's norms here)
+_TE_COVERED = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
+               "TEDotProductAttention", "RMSNorm", "LayerNorm")
+
+
+def _transformer_engine(module, name: str) -> bool:
+    """Whether ``module`` is a Transformer Engine module (refused unless the mode covers it)."""
+    kind = type(module)
+    if not kind.__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine")):
+        return False
+    if kind.__name__ not in _TE_COVERED:
+        _refuse(f"the Transformer Engine module {kind.__qualname__} ({name})",
+                "the mode covers TE's column/row-parallel linears, LayerNormLinear, norms and "
+                "DotProductAttention; use --transformer-impl local")
+    return True
+
+
 def _block_init(wrapped, instance, args, kwargs):
     """Refuse, before any step runs, what the mode cannot make invariant: the config first, then
     the layers the block built (Transformer Engine modules)."""
@@ -717,15 +716,21 @@ def _block_init(wrapped, instance, args, kwargs):
     # TransformerBlock(config, spec, post_layer_norm, pre_process, post_process, pg_collection, ...)
     _check_config(config, argument(args, kwargs, 5, "pg_collection", None))
     result = wrapped(*args, **kwargs)
+    te_covered = []  # a covered TE module's own TE submodules (attention backends) do not run under the mode
     for name, module in instance.named_modules():
-        _refuse_te(module)
+        if any(name.startswith(prefix) for prefix in te_covered):
+            continue
+        if _transformer_engine(module, name):
+            te_covered.append(name + ".")
+            if type(module).__name__.endswith("Linear"):  # its fused norm: tp_invariant.transformer_engine
+                continue
         _token_blocked_norm(module, _is_qk_norm(name, config))
         _mark_gated_fc1(module)
         _mark_experts(name, module)
     return result
 
 
-_GATED = "_megapatch_gated_halves"  # on a gated fc1's weight and bias: rank r holds [gate_r; up_r]
+_GATED = tpi.GATED_HALVES
 
 
 def _mark_gated_fc1(module) -> None:

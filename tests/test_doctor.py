@@ -223,10 +223,15 @@ def test_doctor_with_flags_names_every_refusal_its_flag_and_the_source():
     assert sorted(data["flags"]["refusals"]) == ["tp_invariant.construction", "tp_invariant.distributed_optimizer"]
 
 
-def test_doctor_refuses_transformer_engine_layers_by_default_and_arguments_without_the_separator():
+def test_doctor_says_where_transformer_engine_layers_stop_and_refuses_arguments_without_the_separator():
+    """Megatron-LM's default layers are Transformer Engine's: the mode covers them where TE is installed
+    (tp_invariant.transformer_engine; tests/test_tp_invariant_transformer_engine.py in CI's te stage);
+    here, without TE, the job stops upstream first and no megapatch patch is said to refuse it."""
     result = _cli(["doctor", "--", "--num-attention-heads", "8", "--no-gradient-accumulation-fusion",
                    "--no-bias-gelu-fusion"], env={"MEGAPATCH_TP_INVARIANT": "1"})
-    assert result.returncode == 1 and "transformer_impl='transformer_engine'" in result.stdout, result.stdout
+    assert result.returncode == 1 and "Transformer Engine is not installed" in result.stdout, result.stdout
+    assert "no requested patch refuses them" in result.stdout, result.stdout
+    assert "tp_invariant.transformer_engine     no         n/a" in result.stdout, result.stdout
     usage = _cli(["doctor", "--sequence-parallel"])
     assert usage.returncode == 2 and "unrecognized arguments: --sequence-parallel" in usage.stderr, usage.stderr
     stray = _cli(["doctor", "pretrain_gpt.py"])
@@ -343,7 +348,8 @@ def test_the_fused_activation_refusal_names_the_one_flag_of_the_models_activatio
 def test_transformer_engine_missing_is_said_first_before_any_megapatch_reason(monkeypatch):
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed here")
-    flags = [f for f in TINY if f not in ("--transformer-impl", "local")] + ["--no-bias-gelu-fusion"]
+    # the fused bias-GELU (on by default) is what the mode refuses here: its TE layers are covered
+    flags = [f for f in TINY if f not in ("--transformer-impl", "local")]
     result = _flags_survey(monkeypatch, flags, MEGAPATCH_TP_INVARIANT="1")
     assert result["result"]["code"] == 1
     assert result["result"]["message"].startswith(

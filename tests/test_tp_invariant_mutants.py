@@ -249,7 +249,15 @@ def test_kv_groups_equal_to_the_tp_size_and_heads_as_groups_are_accepted(invaria
     assert patch._config_refusals(_config(num_query_groups=2, tensor_model_parallel_size=2)) == []
     assert patch._config_refusals(_config(num_attention_heads=2, tensor_model_parallel_size=2)) == []
     assert patch._config_refusals(_config(num_attention_heads=1, tensor_model_parallel_size=2))
-    assert "--transformer-impl local" in patch._preflight_model(_config(transformer_impl="transformer_engine"))
+    assert patch._preflight_model(_config(transformer_impl="transformer_engine")) is None  # covered below
+    from megapatch.patches import tp_invariant_transformer_engine as te
+
+    assert te._preflight(_config(transformer_impl="transformer_engine")) is None
+    assert te._preflight(_config(transformer_impl="local", fp8="hybrid")) is None  # no TE layers to refuse
+    for field, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format"), ("tp_comm_overlap", "--tp-comm-overlap"),
+                        ("delay_wgrad_compute", "--delay-wgrad-compute"), ("num_moe_experts", "--num-experts")):
+        value = 8 if field == "num_moe_experts" else ("e4m3" if field in ("fp8", "fp4") else True)
+        assert flag in te._preflight(_config(transformer_impl="transformer_engine", **{field: value})), field
     assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=False)) is None
     assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=True)) is None  # covered
     assert "--num-distributed-optimizer-instances" in patch._preflight_optimizer(
@@ -288,12 +296,28 @@ def test_the_mlp_marks_only_a_gated_fc1_and_refuses_what_it_cannot_cover(invaria
     for field in ("use_te_activation_func", "bias_activation_fusion"):
         with pytest.raises(UnsupportedConfigurationError, match=field):
             patch._mlp_forward(_Recorder(), _mlp(**{field: True}), (), {})
-    te_layer = type("TELinear", (), {"__module__": "transformer_engine.pytorch.module.linear"})()
-    for which in ("linear_fc1", "linear_fc2"):
-        mlp = _mlp()
-        setattr(mlp, which, te_layer)
-        with pytest.raises(UnsupportedConfigurationError, match="TELinear"):
-            patch._mlp_forward(_Recorder(), mlp, (), {})
+
+
+
+def test_the_block_runs_the_covered_te_modules_and_refuses_the_rest_by_name(invariant):
+    """Built under the mode, a block's TE modules are either covered (tp_invariant.transformer_engine
+    runs them; megatron-core's wrappers and TE's norms) or refused naming the module and its place."""
+    from megapatch.core.errors import UnsupportedConfigurationError
+    from megapatch.patches import tp_invariant as patch
+
+    def module(name, where):
+        return type(name, (), {"__module__": where})()
+
+    wrappers = "megatron.core.extensions.transformer_engine"
+    for name in ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
+                 "TEDotProductAttention"):
+        assert patch._transformer_engine(module(name, wrappers), "decoder.layers.0.x") is True
+    assert patch._transformer_engine(module("RMSNorm", "transformer_engine.pytorch.module.rmsnorm"), "final") is True
+    assert patch._transformer_engine(module("RowParallelLinear", "megatron.core.tensor_parallel.layers"), "x") is False
+    for name, where in (("TEGroupedLinear", wrappers), ("Linear", "transformer_engine.pytorch.module.linear"),
+                        ("LayerNormMLP", "transformer_engine.pytorch.module.layernorm_mlp")):
+        with pytest.raises(UnsupportedConfigurationError, match=f"{name} \\(decoder.layers.1.mlp\\)"):
+            patch._transformer_engine(module(name, where), "decoder.layers.1.mlp")
 
 
 def _column_call(group_size, **kw):
@@ -598,21 +622,21 @@ def test_squared_norms_of_a_gated_fc1_pair_gate_and_up_blocks(invariant):
 
 
 def test_token_blocks_are_w_or_w_over_t_and_a_split_sequence_w_does_not_divide_is_refused(invariant):
-    """``_token_blocks``: W blocks of positions per rank, W/t when sequence parallelism splits the
+    """``token_blocks``: W blocks of positions per rank, W/t when sequence parallelism splits the
     sequence over the TP group (only then does the group count), one block for a sequence W does
     not divide without SP; with SP such a sequence is refused, naming its full length."""
     from megapatch.core.errors import OptionError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.numerics import block_tree as tree
 
-    assert patch._token_blocks(torch.ones(6, 2, 3), None, False) == 1
-    assert patch._token_blocks(torch.ones(6, 2, 3), StandInGroup(2), False) == 1
-    assert patch._token_blocks(torch.ones(16, 1, 3), None, False) == W
-    assert patch._token_blocks(torch.ones(16, 1, 3), StandInGroup(2), False) == W  # not split: the group plays no part
-    assert patch._token_blocks(torch.ones(8, 1, 3), StandInGroup(2), True) == W // 2
-    assert patch._token_blocks(torch.ones(4, 1, 3), StandInGroup(4), True) == W // 4
+    assert tree.token_blocks(torch.ones(6, 2, 3), None, False) == 1
+    assert tree.token_blocks(torch.ones(6, 2, 3), StandInGroup(2), False) == 1
+    assert tree.token_blocks(torch.ones(16, 1, 3), None, False) == W
+    assert tree.token_blocks(torch.ones(16, 1, 3), StandInGroup(2), False) == W  # not split: the group plays no part
+    assert tree.token_blocks(torch.ones(8, 1, 3), StandInGroup(2), True) == W // 2
+    assert tree.token_blocks(torch.ones(4, 1, 3), StandInGroup(4), True) == W // 4
     with pytest.raises(OptionError, match=r"the sequence \(tokens summed into a norm or bias gradient\) has "
                                           r"size 12, not divisible by tp_invariant_width=8"):
-        patch._token_blocks(torch.ones(6, 1, 3), StandInGroup(2), True)
+        tree.token_blocks(torch.ones(6, 1, 3), StandInGroup(2), True)
 
 
 def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are_refused(invariant):
@@ -1026,3 +1050,53 @@ def test_blocks_that_do_not_divide_the_rows_are_an_error_not_dropped_rows():
     assert slices(12, 4) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 12)]
     with pytest.raises(ValueError, match="12 rows do not split into 8 equal blocks"):
         slices(12, 8)
+
+
+# -- tp_invariant.moe_micro_batch: one sequence at a time ------------------------------------------
+
+class _StandInMoE(torch.nn.Module):
+    """Stands in for an MoE layer: ``(hidden * w + the micro-batch's mean, bias)``; the mean mixes
+    the sequences, so a call on the whole micro-batch differs from per-sequence calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.5, -2.0, 0.25]))
+        self.b = torch.nn.Parameter(torch.tensor([0.5, 0.5, 0.5]))
+        self.calls = []
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        self.calls.append((tuple(hidden_states.shape), None if padding_mask is None else tuple(padding_mask.shape)))
+        return hidden_states * self.w + hidden_states.mean(dim=(0, 1)), self.b
+
+
+@pytest.mark.quick("tp_invariant.moe_micro_batch")
+def test_an_moe_micro_batch_runs_one_sequence_at_a_time_and_each_sequence_deposits_its_own_term(invariant):
+    """Under the mode, with every trainable parameter depositing into the exact sum, a micro-batch of
+    3 sequences is 3 calls of one sequence (mask sliced alike), outputs concatenated along the batch;
+    the first sequence's gradient goes to DDP's hook, the others' are deposited as terms of their
+    own -- each equal to that sequence's gradient alone; the sequences per call are noted for the
+    aux-loss scale. Without the sinks, or at one sequence, upstream's single call."""
+    from megapatch.numerics import block_tree as tree
+    from megapatch.patches import tp_invariant_moe_micro_batch as patch
+
+    layer = _StandInMoE()
+    hidden = _small((4, 3, 3), 31).requires_grad_(False)  # [s, b, h]
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    plain = patch._moe_forward(layer.forward, layer, (hidden,), {"padding_mask": mask})  # no sinks yet
+    assert layer.calls == [((4, 3, 3), (3, 4))] and tree.moe_sequences_per_call() == 1
+    deposited = {"w": [], "b": []}
+    for name, param in layer.named_parameters():
+        setattr(param, tree.SEQUENCE_TERMS, deposited[name].extend)
+    layer.calls.clear()
+    out, bias = patch._moe_forward(layer.forward, layer, (hidden,), {"padding_mask": mask})
+    assert layer.calls == [((4, 1, 3), (1, 4))] * 3 and tree.moe_sequences_per_call() == 3
+    want = torch.cat([hidden[:, i:i + 1] * layer.w + hidden[:, i:i + 1].mean(dim=(0, 1)) for i in range(3)], dim=1)
+    assert torch.equal(out, want) and not torch.equal(out, plain[0]) and torch.equal(bias, layer.b)
+    out.sum().backward()
+    per_sequence = [(hidden[:, i:i + 1]).sum(dim=(0, 1)) for i in range(3)]  # d(sum)/dw of sequence i alone
+    assert torch.equal(layer.w.grad, per_sequence[0])
+    # deposited as backward reaches them (any order: the exact sum is order-independent)
+    assert sorted(g.tolist() for g in deposited["w"]) == sorted(s.tolist() for s in per_sequence[1:])
+    layer.calls.clear()
+    patch._moe_forward(layer.forward, layer, (hidden[:, :1],), {})
+    assert layer.calls == [((4, 1, 3), None)] and tree.moe_sequences_per_call() == 1

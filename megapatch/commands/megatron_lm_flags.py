@@ -136,6 +136,11 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         moe_grouped_gemm="--moe-grouped-gemm" in flags,
         **_moe_fields(argv, flags, tp),
         transformer_impl=_value(argv, "--transformer-impl") or "transformer_engine",
+        # TE-only settings (core_v0.16.1 generates these flags from TransformerConfig's fields)
+        fp8=_value(argv, "--fp8-format"),
+        fp4=_value(argv, "--fp4-format"),
+        tp_comm_overlap="--tp-comm-overlap" in flags,
+        delay_wgrad_compute="--delay-wgrad-compute" in flags,
         spec=_value(argv, "--spec"),  # a job's own layer spec: no TE spec from --transformer-impl
         use_legacy_models="--use-legacy-models" in flags,
         use_distributed_optimizer="--use-distributed-optimizer" in flags,

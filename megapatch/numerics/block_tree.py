@@ -99,6 +99,23 @@ def moe_sequences_per_call() -> int:
     return _moe_sequences[0]
 
 
+#: on a gated fc1's weight and bias (SwiGLU): 2 -- rank r holds [gate_r; up_r] (``column_blocks``)
+GATED_HALVES = "_megapatch_gated_halves"
+
+
+def token_blocks(tokens: torch.Tensor, group, split: bool) -> int:
+    """Blocks of consecutive sequence positions this rank's tokens ([s, b, h]) form: W, or W/t when
+    sequence parallelism splits the sequence over the TP group. Without it, a sequence W does not
+    divide is one block (the same at every TP size; such a run cannot use sequence parallelism
+    under the mode, which refuses it, so there is no split run to agree with)."""
+    if not split and tokens.shape[0] % width():
+        return 1
+    group = group if split else None
+    check_divisible("the sequence (tokens summed into a norm or bias gradient)",
+                    tokens.shape[0] * group_size(group), tokens.shape[0], group)
+    return blocks_per_rank(group)
+
+
 def sequence(t: torch.Tensor, i: int) -> torch.Tensor:
     """Sequence ``i`` of an ``[s, b, ...]`` activation, as ``[s, 1, ...]``."""
     return t[:, i:i + 1]

@@ -188,6 +188,7 @@ def build_tiny_gpt(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     vp_stage: Optional[int] = None,
+    layer_spec: Any = None,
     **gpt_kwargs: Any,
 ) -> GPTModel:
     """Builds a ``GPTModel`` with the local (non-TE) layer spec, deterministically.
@@ -198,7 +199,8 @@ def build_tiny_gpt(
     tracker (``model_parallel_cuda_manual_seed(seed)``, CPU-backed through
     :func:`cpu_workarounds`) and the CPU generator, then constructs the model
     and casts it to ``config.params_dtype``; extra ``gpt_kwargs`` go to
-    ``GPTModel``.  With ``config.sequence_parallel`` and no Apex, the spec's
+    ``GPTModel``; ``layer_spec`` replaces the local spec (e.g. the Transformer Engine one).
+    With ``config.sequence_parallel`` and no Apex, the local spec's
     torch norms become :class:`SequenceParallelTorchNorm` (same numerics).
     Running the model on CPU needs :func:`cpu_workarounds` active
     (:func:`~megapatch.testing.run_ranks` enters it for every rank).
@@ -206,7 +208,7 @@ def build_tiny_gpt(
     default_pre, default_post = _default_stage_flags(vp_stage)
     kwargs = dict(
         config=config,
-        transformer_layer_spec=_layer_spec(config, vp_stage),
+        transformer_layer_spec=_layer_spec(config, vp_stage) if layer_spec is None else layer_spec,
         vocab_size=vocab_size,
         max_sequence_length=seq_len,
         pre_process=default_pre if pre_process is None else pre_process,

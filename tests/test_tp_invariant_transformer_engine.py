@@ -1,0 +1,249 @@
+"""``tp_invariant`` on a model built from Transformer Engine layers (issue 39 item 3), on CPU.
+
+A Qwen3-shaped GPT (SwiGLU, RMSNorm, RoPE, grouped-query attention, QK RMSNorm, untied output layer)
+built with megatron-core's TE spec (``get_gpt_layer_with_transformer_engine_spec``: the fused
+``TELayerNormColumnParallelLinear`` for QKV and fc1, ``TERowParallelLinear``, ``TEDotProductAttention``,
+TE's ``RMSNorm`` for the QK and final norms) and constructed inside the TE CPU runtime
+(``megapatch.testing.stand_ins.te_runtime``, a stand-in: TE's CUDA kernels cannot run here). Under
+the mode the TE layers' forward runs the mode's arithmetic on the TE parameters, so:
+
+* at TP 1, 2 and 4, with and without sequence parallelism, the logits, the loss and every gradient
+  are bit-identical, and so are the grad norms and parameters after three clipped AdamW steps of
+  megatron-core's BF16 optimizer (one 4-rank job; data-parallel replicas at TP < 4);
+* they are bit-identical to the same weights in megatron-core's *local* layers under the mode -- an
+  independent path (its norms, linears and attention are the local modules, checked against FP32
+  oracles in tests/test_tp_invariant.py): the TE wiring loses, adds or reorders nothing.
+
+What only a GPU can show (TE's own kernels are not used under the mode, so nothing here depends on
+them): the mode's block GEMMs on cuBLAS (tools/gpu_check.py).
+"""
+
+import importlib.metadata
+import importlib.util
+
+import pytest
+import torch
+
+from megapatch.testing import run_ranks
+
+
+def _te_installed() -> bool:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        importlib.metadata.distribution("transformer_engine_torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(
+    not _te_installed(), reason="Transformer Engine not importable here: these tests run in a venv with TE "
+                                "(../shared/te-cpu/install.sh; CI's te stage)")
+
+LAYOUTS = ((1, False), (2, False), (4, False), (2, True), (4, True))  # (TP, sequence parallel)
+SHAPE = dict(hidden_size=128, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=192,
+             qk_layernorm=True, num_layers=2)
+VOCAB, SEQ = 128, 16
+
+#: a TE-spec parameter name -> the local spec's name of the same weight (the norms TE fuses into the
+#: following linear layer); every other name is the same in both
+TE_TO_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def _local_name(name: str) -> str:
+    for te, local in TE_TO_LOCAL.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def _build(tp: int, sp: bool, spec: str):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from megapatch.testing import build_tiny_gpt
+    from megapatch.testing.models.tiny_gpt import llama_config
+
+    config = llama_config(tp=tp, sequence_parallel=sp and tp > 1, **SHAPE)
+    layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True) if spec == "te" else None
+    return build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, seed=1234, position_embedding_type="rope",
+                          layer_spec=layer_spec)
+
+
+def _forward_backward(ctx, model):
+    from megapatch.testing import gather_tp_logits, make_batch
+    from megapatch.testing.models.tiny_gpt import gather_full_grads, sum_tp_replicated_grads
+
+    batch = make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB)
+    with torch.no_grad():
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+    loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    loss.float().mean().backward()
+    sum_tp_replicated_grads(ctx, model)
+    return {"logits": gather_tp_logits(logits, ctx).float(), "loss": loss.detach().float(),
+            "grads": gather_full_grads(model, ctx)}
+
+
+STEPS, CLIP = 3, 0.05  # clipping active at every step (grad norms here are ~0.5-2)
+
+
+def _clipped_steps(ctx, model):
+    """After ``_forward_backward``: STEPS clipped AdamW steps of megatron-core's BF16 optimizer (FP32
+    main parameters), a fresh batch for each step after the first; grad norms and parameters."""
+    from megapatch.testing import gather_full_weights, make_batch
+    from megapatch.testing.models.tiny_gpt import build_bf16_optimizer, cuda_type_names, sum_tp_replicated_grads
+
+    optimizer = build_bf16_optimizer(model, clip_grad=CLIP)
+    norms = []
+    for step in range(STEPS):
+        if step:
+            optimizer.zero_grad()
+            batch = make_batch(seed=5 + step, batch=2, seq_len=SEQ, vocab=VOCAB)
+            model(batch.tokens, batch.position_ids, batch.attention_mask,
+                  labels=batch.labels).float().mean().backward()
+            sum_tp_replicated_grads(ctx, model)
+        with cuda_type_names():
+            ok, norm, _ = optimizer.step()
+        assert ok
+        norms.append(norm)
+    return {"norms": norms, "params": {n: p.float() for n, p in gather_full_weights(model, ctx).items()}}
+
+
+PLANTED = (2.0 ** 24, -(2.0 ** 24), 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
+
+
+def _planted(shape, seed):
+    """Values whose FP32 sums depend on the order of addition (+-2^24 beside small integers)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.tensor(PLANTED)[torch.randint(0, len(PLANTED), shape, generator=generator)]
+
+
+def _signs(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
+
+
+def _planted_layers(ctx):
+    """A TE row-parallel forward and a gated (SwiGLU) TE fc1's dgrad on planted values (K = 16, 8
+    blocks of 2; fc1: 16 gate + 16 up features, rank r holding [gate_r; up_r] and marked as the MLP
+    marks it): sums whose FP32 bits follow the tree's order, so a wrong leaf order shows."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+    from megapatch.numerics import block_tree
+    from megapatch.testing.models.tiny_gpt import llama_config
+
+    tp, rank = ctx.tp_size, ctx.tp_rank
+    config = llama_config(tp=tp, hidden_size=16, num_attention_heads=8, num_query_groups=8,
+                          perform_initialization=False)
+    shard = slice(rank * 16 // tp, (rank + 1) * 16 // tp)
+    common = dict(config=config, init_method=None, bias=False, skip_bias_add=True, is_expert=False)
+    row = TERowParallelLinear(16, 16, input_is_parallel=True, **common)
+    with torch.no_grad():
+        row.weight.copy_(_planted((16, 16), 1)[:, shard])
+    row_out = row(_signs((8, 1, 16), 2)[..., shard].to(torch.bfloat16))[0].detach().float()
+    fc1 = TEColumnParallelLinear(16, 32, gather_output=False, **common)
+    setattr(fc1.weight, block_tree.GATED_HALVES, 2)
+    gate, up = _planted((32, 16), 5).chunk(2)
+    with torch.no_grad():
+        fc1.weight.copy_(torch.cat([gate[shard], up[shard]]))
+    x = torch.ones(8, 1, 16, dtype=torch.bfloat16, requires_grad=True)
+    grad_gate, grad_up = _signs((8, 1, 32), 6).chunk(2, dim=-1)
+    fc1(x)[0].backward(torch.cat([grad_gate[..., shard], grad_up[..., shard]], dim=-1).to(torch.bfloat16))
+    return {"row": row_out, "glu_dgrad": x.grad.float()}
+
+
+def _job(ctx):
+    import megapatch
+    from megapatch.testing import reinit_model_parallel
+    from megapatch.testing.models.tiny_gpt import gather_full_weights
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+    out = {}
+    for tp, sp in LAYOUTS:
+        ctx = reinit_model_parallel(ctx, tp=tp)
+        megapatch.enable(tp_invariant=True)
+        with te_cpu_runtime() as calls:
+            model = _build(tp, sp, "te")
+            out[("modules", tp, sp)] = sorted({type(m).__name__ for m in model.modules()
+                                               if type(m).__module__.startswith(("transformer_engine",
+                                                                                  "megatron.core.extensions"))})
+            before = len(calls)
+            out[("te", tp, sp)] = _forward_backward(ctx, model)
+            out[("kernels", tp, sp)] = calls[before:]
+            if (tp, sp) == (1, False):
+                weights = gather_full_weights(model, ctx)
+            out[("steps", tp, sp)] = _clipped_steps(ctx, model)
+            out[("kernels after steps", tp, sp)] = calls[before:]
+            if not sp:
+                out[("planted", tp)] = _planted_layers(ctx)
+        if (tp, sp) == (1, False):  # the same weights in the local layers, under the mode
+            local = _build(tp, sp, "local")
+            with torch.no_grad():
+                for name, param in local.named_parameters():
+                    param.copy_(weights[next(n for n in weights if _local_name(n) == name)])
+            out[("local", tp, sp)] = _forward_backward(ctx, local)
+            out["local names"] = sorted(n for n, _ in local.named_parameters())
+            out["te names"] = sorted(_local_name(n) for n in weights)
+        megapatch.disable()
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_job, world_size=4, tp=1, timeout=600)[0]
+
+
+@pytest.mark.quick("tp_invariant.transformer_engine")  # runs where TE is installed (CI's te stage)
+def test_the_model_is_built_from_te_layers_and_no_te_kernel_runs_under_the_mode(runs):
+    for tp, sp in LAYOUTS:
+        assert {"TELayerNormColumnParallelLinear", "TERowParallelLinear", "TEDotProductAttention",
+                "RMSNorm"} <= set(runs[("modules", tp, sp)]), runs[("modules", tp, sp)]
+        assert runs[("kernels", tp, sp)] == [], (tp, sp)  # every GEMM, norm and attention: the mode's
+
+
+@pytest.mark.parametrize("tp, sp", LAYOUTS[1:])
+def test_clipped_optimizer_steps_give_the_same_grad_norms_and_parameters_as_tp1(runs, tp, sp):
+    want, got = runs[("steps", 1, False)], runs[("steps", tp, sp)]
+    assert max(want["norms"]) > 0 and min(want["norms"]) > CLIP  # clipping scaled every step
+    assert got["norms"] == want["norms"]
+    differ = [name for name in want["params"] if not torch.equal(got["params"][name], want["params"][name])]
+    assert differ == [], differ
+    # the optimizer's clipping scales the FP32 main gradients with TE's multi_tensor_scale (megatron-core
+    # binds it when TE is installed): the only TE kernel a step calls; no GEMM, norm or attention kernel
+    assert set(runs[("kernels after steps", tp, sp)]) == {"multi_tensor_scale"}
+
+
+@pytest.mark.parametrize("tp, sp", LAYOUTS[1:])
+def test_logits_loss_and_gradients_are_bit_identical_to_tp1(runs, tp, sp):
+    want, got = runs[("te", 1, False)], runs[("te", tp, sp)]
+    assert torch.equal(got["logits"], want["logits"])
+    assert torch.equal(got["loss"], want["loss"])
+    assert sorted(got["grads"]) == sorted(want["grads"])
+    differ = [name for name in want["grads"] if not torch.equal(got["grads"][name], want["grads"][name])]
+    assert differ == [], differ
+
+
+def test_te_layers_give_the_local_layers_bits_with_the_same_weights(runs):
+    assert runs["te names"] == runs["local names"]
+    te, local = runs[("te", 1, False)], runs[("local", 1, False)]
+    assert torch.equal(te["logits"], local["logits"])
+    assert torch.equal(te["loss"], local["loss"])
+    differ = [name for name, grad in te["grads"].items() if not torch.equal(grad, local["grads"][_local_name(name)])]
+    assert differ == [], differ
+
+
+@pytest.mark.parametrize("tp", (2, 4))
+def test_planted_sums_follow_the_fixed_tree_at_every_tp_size(runs, tp):
+    """The row-parallel sum and the gated fc1's dgrad on values whose FP32 sums depend on the order:
+    the same bits at TP 2 and 4 as at TP 1 (a gate/up pairing lost, or leaves in another order,
+    change them), and the row sum equal to an independent oracle: the 8 two-wide blocks' products
+    added pairwise in FP32, rounded once."""
+    want, got = runs[("planted", 1)], runs[("planted", tp)]
+    assert torch.equal(got["row"], want["row"])
+    assert torch.equal(got["glu_dgrad"], want["glu_dgrad"])
+    products = _signs((8, 1, 16), 2)[..., None, :] * _planted((16, 16), 1)  # [8, 1, out, in]
+    parts = list((products[..., 0::2] + products[..., 1::2]).unbind(-1))
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    assert torch.equal(want["row"], parts[0].to(torch.bfloat16).float())
