@@ -1,4 +1,6 @@
 import functools
+import importlib.metadata
+import importlib.util
 import os
 import re
 import subprocess
@@ -25,6 +27,18 @@ def _megapatch_off_around_each_test(monkeypatch):
 
 
 @functools.lru_cache(maxsize=None)
+def te_installed() -> bool:
+    """Transformer Engine's Python package and its PyTorch extension are installed (checked without
+    importing TE: the TE tests run in a venv with TE, ../shared/te-cpu/install.sh, CI's te stage)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        importlib.metadata.distribution("transformer_engine_torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def surface_refusals(prefix: str) -> tuple:
     """Why the installed upstream cannot take the patches named ``prefix``* (the reasons `megapatch
     doctor` shows as INCOMPATIBLE); empty where it can. The version matrix runs each patch's tests

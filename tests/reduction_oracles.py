@@ -39,3 +39,30 @@ def rank_order_sum(parts):
     for p in parts:
         acc = acc + p.float()  # one FP32 rounding per add, in rank order
     return acc.to(torch.bfloat16)
+
+
+# -- tp_invariant's fixed tree: planted values and an independent oracle ---------------------------
+
+#: +-2^24 beside small integers: FP32 sums of these depend on the order of addition
+PLANTED = (BIG, -BIG, 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
+
+
+def planted(shape, seed):
+    """Values drawn from ``PLANTED``, position-dependent, reproducible from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.tensor(PLANTED)[torch.randint(0, len(PLANTED), shape, generator=generator)]
+
+
+def signs(shape, seed):
+    """+-1, position-dependent, reproducible from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
+
+
+def pairwise_tree_bf16(products):
+    """Independent FP32 oracle of a row-parallel sum in 2-wide blocks (the last dimension): pairs
+    summed, then adjacent pairs level by level, rounded once to BF16."""
+    parts = list((products[..., 0::2] + products[..., 1::2]).unbind(-1))
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0].to(torch.bfloat16).float()

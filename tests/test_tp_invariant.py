@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import check_refused_where_upstream_cannot_take, skip_unless_upstream_takes
+from reduction_oracles import pairwise_tree_bf16, planted, signs
 from megapatch.testing import run_ranks
 
 TPS = (1, 2, 4, 8)
@@ -137,26 +138,11 @@ REFUSED = {
 }
 
 
-PLANTED = (2.0 ** 24, -(2.0 ** 24), 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
-
-
-def _planted(shape, seed):
-    """Values whose FP32 sums depend on the order of addition (+-2^24 with small integers)."""
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, len(PLANTED), shape, generator=generator)
-    return torch.tensor(PLANTED)[index]
-
-
 def _planted_roots(shape, seed):
     """Values whose FP32 sums of squares depend on the order (squares 2^24 beside 1 and 9)."""
     generator = torch.Generator().manual_seed(seed)
     roots = torch.tensor((2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 1.0, -1.0, 3.0, -3.0))
     return roots[torch.randint(0, len(roots), shape, generator=generator)]
-
-
-def _signs(shape, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
 
 
 def _planted_layers(ctx):
@@ -174,15 +160,15 @@ def _planted_layers(ctx):
     row = RowParallelLinear(16, 16, config=config, init_method=None, bias=False,
                             input_is_parallel=True, skip_bias_add=True)
     with torch.no_grad():
-        row.weight.copy_(_planted((16, 16), 1)[:, shard])
-    x = _signs((8, 1, 16), 2)[..., shard].to(torch.bfloat16)
+        row.weight.copy_(planted((16, 16), 1)[:, shard])
+    x = signs((8, 1, 16), 2)[..., shard].to(torch.bfloat16)
     row_out = row(x)[0].detach().float()
     column = ColumnParallelLinear(16, 16, config=config, init_method=None, bias=False,
                                   gather_output=False)
     with torch.no_grad():
-        column.weight.copy_(_planted((16, 16), 3)[shard])
+        column.weight.copy_(planted((16, 16), 3)[shard])
     x = torch.ones(8, 1, 16, dtype=torch.bfloat16, requires_grad=True)
-    column(x)[0].backward(_signs((8, 1, 16), 4)[..., shard].to(torch.bfloat16))
+    column(x)[0].backward(signs((8, 1, 16), 4)[..., shard].to(torch.bfloat16))
     glu_norm, unpaired = _planted_gated_norm(shard)
     return {"row": row_out, "dgrad": x.grad.float(), "glu_dgrad": _planted_gated_dgrad(config, shard),
             "glu_norm": glu_norm, "glu_norm_unpaired": unpaired}
@@ -197,13 +183,13 @@ def _planted_gated_dgrad(config, shard):
     from megapatch.patches import tp_invariant as patch
 
     fc1 = ColumnParallelLinear(16, 32, config=config, init_method=None, bias=False, gather_output=False)
-    gate, up = _planted((32, 16), 5).chunk(2)
+    gate, up = planted((32, 16), 5).chunk(2)
     with torch.no_grad():
         fc1.weight.copy_(torch.cat([gate[shard], up[shard]]))
     x = torch.ones(8, 1, 16, dtype=torch.bfloat16, requires_grad=True)
     with scoped(patch._gated_fc1, fc1):
         out = fc1(x)[0]
-    grad_gate, grad_up = _signs((8, 1, 32), 6).chunk(2, dim=-1)
+    grad_gate, grad_up = signs((8, 1, 32), 6).chunk(2, dim=-1)
     out.backward(torch.cat([grad_gate[..., shard], grad_up[..., shard]], dim=-1).to(torch.bfloat16))
     return x.grad.float()
 
@@ -220,15 +206,6 @@ def _planted_gated_norm(shard):
     group = parallel_state.get_tensor_model_parallel_group()
     return (block_tree.squared_norms([local], [0], group, [2])[0],
             block_tree.squared_norms([local], [0], group)[0])
-
-
-def _tree_oracle(products):
-    """Independent FP32 oracle: pairs (the 2-wide blocks) summed, then adjacent pairs level by
-    level, rounded once to BF16."""
-    parts = list((products[..., 0::2] + products[..., 1::2]).unbind(-1))
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    return parts[0].to(torch.bfloat16).float()
 
 
 class _Warnings(logging.Handler):
@@ -347,10 +324,10 @@ def test_precondition_without_the_mode_tp_changes_the_bits(runs, model, mode, tp
 def test_planted_row_forward_and_column_dgrad_follow_the_fixed_tree(runs, tp):
     """Sums whose FP32 value depends on the association: at every TP size the row-parallel output
     and the column-parallel dgrad are exactly the fixed tree of 8 blocks, rounded once."""
-    x = _signs((8, 1, 16), 2)
-    row_oracle = _tree_oracle(x[..., None, :] * _planted((16, 16), 1))
-    grad = _signs((8, 1, 16), 4)
-    dgrad_oracle = _tree_oracle(grad[..., None, :] * _planted((16, 16), 3).t())
+    x = signs((8, 1, 16), 2)
+    row_oracle = pairwise_tree_bf16(x[..., None, :] * planted((16, 16), 1))
+    grad = signs((8, 1, 16), 4)
+    dgrad_oracle = pairwise_tree_bf16(grad[..., None, :] * planted((16, 16), 3).t())
     here = runs[("invariant", "planted", tp)]
     assert torch.equal(here["row"], row_oracle)
     assert torch.equal(here["dgrad"], dgrad_oracle)
@@ -361,8 +338,8 @@ def test_planted_swiglu_dgrad_pairs_gate_and_up_blocks_in_the_fixed_tree(runs, t
     """SwiGLU's fc1 dgrad: 2-row blocks of gate and of up (never mixed), leaves in the order gate
     block 0, up block 0, gate block 1, ... (so a rank's blocks are one subtree at every TP size),
     summed by the fixed tree and rounded once -- an independent oracle on order-sensitive values."""
-    grad_gate, grad_up = _signs((8, 1, 32), 6).chunk(2, dim=-1)
-    gate, up = _planted((32, 16), 5).chunk(2)
+    grad_gate, grad_up = signs((8, 1, 32), 6).chunk(2, dim=-1)
+    gate, up = planted((32, 16), 5).chunk(2)
     pairs = torch.stack([grad_gate[..., None, :] * gate.t(), grad_up[..., None, :] * up.t()], dim=-1)
     leaves = pairs.view(8, 1, 16, 8, 2, 2).sum(dim=-2)  # [.., K, block, (gate, up)] 2-row block sums
     parts = list(leaves.reshape(8, 1, 16, 16).unbind(-1))

@@ -20,13 +20,10 @@ import pytest
 import torch
 
 from conftest import StandInGroup
+from reduction_oracles import BIG, planted, signs
 from megapatch.testing import run_ranks
 
 W = 8
-BIG = 2.0 ** 24
-PLANTED = (BIG, -BIG, 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
-
-
 def _tree(parts):
     """Independent oracle of the fixed tree: the sum of the first half plus that of the second."""
     parts = list(parts)
@@ -34,16 +31,6 @@ def _tree(parts):
         return parts[0]
     half = len(parts) // 2
     return _tree(parts[:half]) + _tree(parts[half:])
-
-
-def _planted(shape, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.tensor(PLANTED)[torch.randint(0, len(PLANTED), shape, generator=generator)]
-
-
-def _signs(shape, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
 
 
 def _small(shape, seed):
@@ -115,10 +102,10 @@ def test_column_parallel_blocks_match_the_oracle(invariant):
     assert torch.equal(bias.grad, g2.sum(0).bfloat16())
     # dgrad on planted weights, where the association shows (an FP32 input: an FP32 dgrad)
     x = torch.ones(3, 2, 4, dtype=torch.float32, requires_grad=True)
-    planted = _planted((16, 4), 5).bfloat16()
-    grad = _signs((3, 2, 16), 6)
-    ColumnParallel.apply(x, planted, None, None, False, W, None, 1).backward(grad.bfloat16())
-    products = grad[..., :, None] * planted.float()[None, None]  # [3, 2, N, K]
+    weights = planted((16, 4), 5).bfloat16()
+    grad = signs((3, 2, 16), 6)
+    ColumnParallel.apply(x, weights, None, None, False, W, None, 1).backward(grad.bfloat16())
+    products = grad[..., :, None] * weights.float()[None, None]  # [3, 2, N, K]
     dgrad = _tree([products[..., 2 * b, :] + products[..., 2 * b + 1, :] for b in range(W)])
     assert torch.equal(x.grad, dgrad), "dgrad is not the fixed tree of the 8 blocks"
     assert not torch.equal(dgrad, products.sum(-2))
@@ -132,10 +119,10 @@ def test_gated_column_parallel_pairs_gate_and_up_rows_in_the_tree(invariant):
     from megapatch.numerics.block_tree import ColumnParallel
 
     x = torch.tensor([[1.0, 0, 0, 0], [0, 0, 1, 0]], requires_grad=True)  # FP32: an FP32 dgrad
-    weight = _planted((16, 4), 7).bfloat16()
+    weight = planted((16, 4), 7).bfloat16()
     out = ColumnParallel.apply(x, weight, None, None, False, W, None, 2)  # one product per output
     assert torch.equal(out, x.detach() @ weight.float().t())
-    grad = _signs((2, 16), 8)
+    grad = signs((2, 16), 8)
     out.backward(grad)
     leaves = [grad[:, r, None] * weight.float()[r] for b in range(W) for r in (b, W + b)]
     assert torch.equal(x.grad, _tree(leaves))
@@ -145,8 +132,8 @@ def test_gated_column_parallel_pairs_gate_and_up_rows_in_the_tree(invariant):
 def test_row_parallel_forward_is_the_fixed_tree_and_its_grads_are_per_block(invariant):
     from megapatch.numerics.block_tree import RowParallel
 
-    x = _signs((3, 2, 16), 11).requires_grad_()  # [S, B, K]; FP32: the tree's result unrounded
-    weight = _planted((2, 16), 12).bfloat16().requires_grad_()
+    x = signs((3, 2, 16), 11).requires_grad_()  # [S, B, K]; FP32: the tree's result unrounded
+    weight = planted((2, 16), 12).bfloat16().requires_grad_()
     out = RowParallel.apply(x, weight, None, W)
     products = x.detach()[..., None, :] * weight.detach().float()[None, None]  # [S, B, N, K]
     want = _tree([products[..., 2 * b] + products[..., 2 * b + 1] for b in range(W)])
@@ -166,9 +153,9 @@ def test_sum_exp_partials_are_per_block_fp32_sums(invariant):
     assert len(parts) == W
     for b, part in enumerate(parts):
         assert part.dtype == torch.float32 and torch.equal(part, e.float().reshape(6, 16)[:, 2 * b:2 * b + 2].sum(-1))
-    planted = [torch.tensor([v]) for v in (BIG, 1.0, 1.0, 1.0, -BIG, 3.0, 1.0, 1.0)]
-    assert torch.equal(invariant_sum(planted, None, torch.bfloat16), _tree(planted).bfloat16())
-    assert invariant_sum(planted, None, torch.bfloat16).dtype == torch.bfloat16
+    values = [torch.tensor([v]) for v in (BIG, 1.0, 1.0, 1.0, -BIG, 3.0, 1.0, 1.0)]
+    assert torch.equal(invariant_sum(values, None, torch.bfloat16), _tree(values).bfloat16())
+    assert invariant_sum(values, None, torch.bfloat16).dtype == torch.bfloat16
 
 
 # -- the patch's own decisions (no ranks) --------------------------------------------------------
@@ -414,7 +401,7 @@ def test_a_gated_fc1_that_w_does_not_split_is_refused_naming_its_full_size(invar
 def _row_instance(**kw):
     fields = dict(tp_group=StandInGroup(1), sequence_parallel=False, explicit_expert_comm=False,
                   gradient_accumulation_fusion=False, input_is_parallel=True, skip_bias_add=False,
-                  weight=_planted((2, 16), 31).bfloat16(), bias=_small((2,), 32).bfloat16())
+                  weight=planted((2, 16), 31).bfloat16(), bias=_small((2,), 32).bfloat16())
     return SimpleNamespace(**{**fields, **kw})
 
 
@@ -422,7 +409,7 @@ def test_row_layer_adds_its_bias_after_the_tree_or_hands_it_back(invariant):
     from megapatch.core.errors import UnsupportedConfigurationError
     from megapatch.patches import tp_invariant as patch
 
-    x = _signs((3, 16), 33).bfloat16()
+    x = signs((3, 16), 33).bfloat16()
     layer = _row_instance()
     products = x.float()[:, None, :] * layer.weight.float()[None]
     tree = _tree([products[..., 2 * b] + products[..., 2 * b + 1] for b in range(W)]).bfloat16()
@@ -559,7 +546,7 @@ def test_norm_affine_gradients_sum_token_blocks_in_the_fixed_tree(invariant):
     from megapatch.numerics.block_tree import TokenBlockedAffine
 
     grad = _token_grad()
-    normalised = _signs((8, 2, 3), 60).requires_grad_()
+    normalised = signs((8, 2, 3), 60).requires_grad_()
     weight = torch.tensor([0.5, -2.0, 3.0], requires_grad=True)  # FP32: the tree's sum unrounded
     bias = torch.tensor([1.0, 0.25, -1.0], requires_grad=True)
     out = TokenBlockedAffine.apply(normalised, weight, bias, None, W, False, torch.bfloat16)
@@ -773,7 +760,7 @@ def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_
 # -- TP=2 with two data-parallel replicas (world 4) ------------------------------------------------
 
 def _parts(numel, seed):
-    return [_planted((numel,), seed * 100 + b) for b in range(W)]
+    return [planted((numel,), seed * 100 + b) for b in range(W)]
 
 
 def _param(full, dim, ctx, **attrs):
@@ -805,9 +792,9 @@ def _tp2_job(ctx):
     out["norms"] = tpi.squared_norms(shards, [0, None, 1], group)
     # the column-parallel dgrad summed over TP through the tree
     x = torch.ones(2, 4, requires_grad=True)  # FP32: the FP32 tree comes out unrounded
-    weight = _planted((16, 4), 40 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
+    weight = planted((16, 4), 40 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
     y = tpi.ColumnParallel.apply(x, weight, None, group, True, tpi.blocks_per_rank(group), None, 1)
-    y.backward(_signs((2, 16), 41)[:, r * 16 // t:(r + 1) * 16 // t])
+    y.backward(signs((2, 16), 41)[:, r * 16 // t:(r + 1) * 16 // t])
     out["dgrad"] = x.grad
     # the patch's grad norm: every parameter's square added exactly, a shared one and a missing grad skipped
     params = [_param(_norm_grad(0), 0, ctx), _param(torch.full((2, 2), 4096.0), None, ctx),
@@ -859,18 +846,18 @@ def _sequence_parallel_paths(ctx):
     out["sp_scatter"], out["sp_scatter_grad"] = scattered.detach(), whole.grad
     # column layer: this rank's 2 positions gathered; dgrad the tree over TP, sliced back
     x = torch.ones(4 // t, 1, 4, requires_grad=True)  # FP32: the FP32 tree comes out unrounded
-    weight = _planted((16, 4), 94 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
+    weight = planted((16, 4), 94 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
     layer = SimpleNamespace(tp_group=group, config=SimpleNamespace(num_query_groups=None))
     y = patch._column_forward_impl(None, layer, (), dict(
         input=x, weight=weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
         sequence_parallel=True, grad_output_buffer=None))
-    y.backward(_signs((4, 1, 16), 95)[..., r * 16 // t:(r + 1) * 16 // t])
+    y.backward(signs((4, 1, 16), 95)[..., r * 16 // t:(r + 1) * 16 // t])
     out["sp_column"], out["sp_column_dgrad"] = y.detach(), x.grad
     # row layer: the fixed-tree sum of the K blocks, this rank's 4 of 8 positions, bias after
-    x = _signs((8, 1, 16), 96)[..., r * 16 // t:(r + 1) * 16 // t].clone().requires_grad_()
+    x = signs((8, 1, 16), 96)[..., r * 16 // t:(r + 1) * 16 // t].clone().requires_grad_()
     bias = torch.tensor([0.5, -0.25], requires_grad=True)
     row = _row_instance(tp_group=group, sequence_parallel=True, bias=bias,
-                        weight=_planted((2, 16), 97).bfloat16()[:, r * 16 // t:(r + 1) * 16 // t])
+                        weight=planted((2, 16), 97).bfloat16()[:, r * 16 // t:(r + 1) * 16 // t])
     y, none = patch._row_forward(None, row, (x,), {})
     y.backward(SP_GRAD[r * 8 // t:(r + 1) * 8 // t])
     out["sp_row"], out["sp_row_bias_grad"], out["sp_row_dgrad"] = y.detach(), bias.grad, x.grad
@@ -936,8 +923,8 @@ def test_squared_norms_at_tp2_equal_the_tp1_oracle(tp2):
 @pytest.mark.quick("tp_invariant.tensor_parallel")
 def test_column_dgrad_summed_over_tp_is_the_fixed_tree(tp2):
     for rank, out in enumerate(tp2):
-        weight = _planted((16, 4), 40 + rank // 2).bfloat16().float()
-        grad = _signs((2, 16), 41)
+        weight = planted((16, 4), 40 + rank // 2).bfloat16().float()
+        grad = signs((2, 16), 41)
         products = grad[:, :, None] * weight[None]
         want = _tree([products[:, 2 * b] + products[:, 2 * b + 1] for b in range(W)])
         assert torch.equal(out["dgrad"], want), rank
@@ -991,7 +978,7 @@ def test_sequence_parallel_column_and_row_layers_follow_the_fixed_tree_over_tp(t
     bias; the bias gradient is the token tree over all 8 positions on rank 0, zeros on rank 1."""
     for rank, out in enumerate(tp2):
         r, dp = rank % 2, rank // 2
-        weight = _planted((16, 4), 94 + dp).bfloat16().float()
+        weight = planted((16, 4), 94 + dp).bfloat16().float()
         # the forward's K (4) is not split: one FP32 GEMM, whose order over the planted +-2^24 terms
         # is the CPU BLAS kernel's (it differs between machines), so the oracle is the exact sum and
         # FP32's rounding bound for 4 terms; a wrong shard or slice is off by thousands
@@ -999,11 +986,11 @@ def test_sequence_parallel_column_and_row_layers_follow_the_fixed_tree_over_tp(t
         bound = 4 * 2.0 ** -24 * (torch.ones(4, 1, 4).double() @ weight[8 * r:8 * r + 8].double().abs().t())
         assert out["sp_column"].dtype == torch.float32
         assert bool(((out["sp_column"].double() - exact).abs() <= bound).all()), (rank, out["sp_column"], exact)
-        products = _signs((4, 1, 16), 95)[..., :, None] * weight  # [4, 1, 16, 4]
+        products = signs((4, 1, 16), 95)[..., :, None] * weight  # [4, 1, 16, 4]
         dgrad = _tree([products[..., 2 * b, :] + products[..., 2 * b + 1, :] for b in range(W)])
         assert not torch.equal(dgrad, products.sum(-2))
         assert torch.equal(out["sp_column_dgrad"], dgrad[2 * r:2 * r + 2]), rank
-        x, w = _signs((8, 1, 16), 96), _planted((2, 16), 97).bfloat16().float()
+        x, w = signs((8, 1, 16), 96), planted((2, 16), 97).bfloat16().float()
         products = x[..., None, :] * w  # [8, 1, 2, 16]
         tree = _tree([products[..., 2 * b] + products[..., 2 * b + 1] for b in range(W)])
         bias = torch.tensor([0.5, -0.25])

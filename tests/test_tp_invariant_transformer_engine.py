@@ -18,27 +18,16 @@ What only a GPU can show (TE's own kernels are not used under the mode, so nothi
 them): the mode's block GEMMs on cuBLAS (tools/gpu_check.py).
 """
 
-import importlib.metadata
-import importlib.util
-
 import pytest
 import torch
 
+from conftest import te_installed
+from reduction_oracles import pairwise_tree_bf16, planted, signs
 from megapatch.testing import run_ranks
 
 
-def _te_installed() -> bool:
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        importlib.metadata.distribution("transformer_engine_torch")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 pytestmark = pytest.mark.skipif(
-    not _te_installed(), reason="Transformer Engine not importable here: these tests run in a venv with TE "
+    not te_installed(), reason="Transformer Engine not importable here: these tests run in a venv with TE "
                                 "(../shared/te-cpu/install.sh; CI's te stage)")
 
 LAYOUTS = ((1, False), (2, False), (4, False), (2, True), (4, True))  # (TP, sequence parallel)
@@ -110,20 +99,6 @@ def _clipped_steps(ctx, model):
     return {"norms": norms, "params": {n: p.float() for n, p in gather_full_weights(model, ctx).items()}}
 
 
-PLANTED = (2.0 ** 24, -(2.0 ** 24), 2.0 ** 12, -(2.0 ** 12), 1.0, -1.0, 3.0, -3.0)
-
-
-def _planted(shape, seed):
-    """Values whose FP32 sums depend on the order of addition (+-2^24 beside small integers)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.tensor(PLANTED)[torch.randint(0, len(PLANTED), shape, generator=generator)]
-
-
-def _signs(shape, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
-
-
 def _planted_layers(ctx):
     """A TE row-parallel forward and a gated (SwiGLU) TE fc1's dgrad on planted values (K = 16, 8
     blocks of 2; fc1: 16 gate + 16 up features, rank r holding [gate_r; up_r] and marked as the MLP
@@ -140,15 +115,15 @@ def _planted_layers(ctx):
     common = dict(config=config, init_method=None, bias=False, skip_bias_add=True, is_expert=False)
     row = TERowParallelLinear(16, 16, input_is_parallel=True, **common)
     with torch.no_grad():
-        row.weight.copy_(_planted((16, 16), 1)[:, shard])
-    row_out = row(_signs((8, 1, 16), 2)[..., shard].to(torch.bfloat16))[0].detach().float()
+        row.weight.copy_(planted((16, 16), 1)[:, shard])
+    row_out = row(signs((8, 1, 16), 2)[..., shard].to(torch.bfloat16))[0].detach().float()
     fc1 = TEColumnParallelLinear(16, 32, gather_output=False, **common)
     setattr(fc1.weight, block_tree.GATED_HALVES, 2)
-    gate, up = _planted((32, 16), 5).chunk(2)
+    gate, up = planted((32, 16), 5).chunk(2)
     with torch.no_grad():
         fc1.weight.copy_(torch.cat([gate[shard], up[shard]]))
     x = torch.ones(8, 1, 16, dtype=torch.bfloat16, requires_grad=True)
-    grad_gate, grad_up = _signs((8, 1, 32), 6).chunk(2, dim=-1)
+    grad_gate, grad_up = signs((8, 1, 32), 6).chunk(2, dim=-1)
     fc1(x)[0].backward(torch.cat([grad_gate[..., shard], grad_up[..., shard]], dim=-1).to(torch.bfloat16))
     return {"row": row_out, "glu_dgrad": x.grad.float()}
 
@@ -242,8 +217,5 @@ def test_planted_sums_follow_the_fixed_tree_at_every_tp_size(runs, tp):
     want, got = runs[("planted", 1)], runs[("planted", tp)]
     assert torch.equal(got["row"], want["row"])
     assert torch.equal(got["glu_dgrad"], want["glu_dgrad"])
-    products = _signs((8, 1, 16), 2)[..., None, :] * _planted((16, 16), 1)  # [8, 1, out, in]
-    parts = list((products[..., 0::2] + products[..., 1::2]).unbind(-1))
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    assert torch.equal(want["row"], parts[0].to(torch.bfloat16).float())
+    products = signs((8, 1, 16), 2)[..., None, :] * planted((16, 16), 1)  # [8, 1, out, in]
+    assert torch.equal(want["row"], pairwise_tree_bf16(products))

@@ -21,10 +21,8 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import sys
 import json
+import sys
 import types
 
 import pytest
@@ -38,24 +36,13 @@ from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurface
 from megapatch.patches import tp_reduce_transformer_engine as te_patch
 from megapatch.testing import run_ranks
 
-from conftest import run_python
+from conftest import run_python, te_installed
 
 CLAIMED = te_releases.claimed_versions()
 PATCH = te_patch.PATCHES[0]
 
 
-def _te_installed() -> bool:
-    """TE's Python package and its PyTorch extension are installed (checked without importing TE)."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        importlib.metadata.distribution("transformer_engine_torch")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-HAVE_TE = _te_installed()
+HAVE_TE = te_installed()
 needs_te = pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine not importable here (extra to the "
                                                   "static check; runs in a venv with TE installed)")
 IMPLS = ["standin", pytest.param("te", marks=needs_te)]
