@@ -32,7 +32,7 @@ from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
 from megapatch.numerics import fp32_output_linear
 from megapatch.numerics import block_tree as tpi
-from megapatch.patches._common import refuse_tp_invariant, tp_invariant_patch
+from megapatch.patches._common import MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant, tp_invariant_patch
 
 TE = "megatron.core.extensions.transformer_engine"
 
@@ -253,6 +253,8 @@ PATCHES = (
                 "checkpoint names kept); TE experts, FP8/FP4, comm overlap refused at construction",
         hook=TE,
         package="transformer-engine",  # megatron-core's TE wrappers: nothing to patch without TE
+        # run on TE 2.20.2 only (the CPU runtime's release; CI's te stage): elsewhere megapatch warns
+        supports={**MEGATRON_CORE_TP_INVARIANT_TESTED, "transformer-engine": "==2.20.2"},
         applies=_transformer_engine_installed,
         targets=(
             Target(TE, "TELinear.forward", _linear_forward, kind="method", params=("self", "x")),
