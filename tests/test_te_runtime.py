@@ -383,6 +383,34 @@ def test_megatron_core_clipping_runs_the_multi_tensor_kernels_on_cpu():
     assert flag.item() == 0 and bad.item() == 1
 
 
+@pytest.mark.parametrize("mode", [0, 1], ids=["adam-l2", "adamw"])
+def test_fused_adam_step_matches_a_float64_adam_step(mode):
+    """tex.multi_tensor_adam (TE's FusedAdam, Megatron-LM's optimizer where TE is installed) against
+    the Adam/AdamW step in float64: one step from non-zero moments at step 3, FP32 params in place,
+    and with FP32 master params beside BF16 params (the params get the master's update rounded)."""
+    from megapatch.testing.stand_ins.te_runtime import multi_tensor_adam
+
+    g = torch.Generator().manual_seed(9)
+    grad, param, m, v = (torch.randn(7, 5, generator=g) for _ in range(4))
+    v = v.abs()
+    lr, b1, b2, eps, step, decay = 1e-2, 0.9, 0.95, 1e-8, 3, 0.1
+    x_g, x_p, x_m, x_v = (t.double() for t in (grad, param, m, v))
+    if mode == 0:
+        x_g = x_g + decay * x_p
+    x_m = b1 * x_m + (1 - b1) * x_g
+    x_v = b2 * x_v + (1 - b2) * x_g * x_g
+    update = (x_m / (1 - b1 ** step)) / ((x_v / (1 - b2 ** step)).sqrt() + eps)
+    want = x_p - lr * (update + (decay * x_p if mode == 1 else 0))
+    flag = torch.zeros(1, dtype=torch.int)
+    p32, m32, v32 = param.clone(), m.clone(), v.clone()
+    multi_tensor_adam(2048, flag, [[grad], [p32], [m32], [v32]], lr, b1, b2, eps, step, mode, 1, decay)
+    assert torch.allclose(p32.double(), want, rtol=0, atol=1e-6) and not torch.equal(p32, param)
+    assert torch.allclose(m32.double(), x_m, atol=1e-6) and torch.allclose(v32.double(), x_v, atol=1e-6)
+    bf16, master, m2, v2 = param.to(BF16), param.clone(), m.clone(), v.clone()
+    multi_tensor_adam(2048, flag, [[grad], [bf16], [m2], [v2], [master]], lr, b1, b2, eps, step, mode, 1, decay)
+    assert torch.equal(master, p32) and torch.equal(bf16, p32.to(BF16)) and flag.item() == 0
+
+
 def test_unsupported_paths_are_refused_by_name():
     from megapatch.testing.stand_ins.te_runtime import NotOnCpuRuntime, te_cpu_runtime
 

@@ -25,12 +25,14 @@ import runpy
 import sys
 from typing import List, Optional
 
-USAGE = ("usage: torchrun [torchrun options] -m megapatch.testing.ranks.cpu_launch [--bridge] SCRIPT.py "
+USAGE = ("usage: torchrun [torchrun options] -m megapatch.testing.ranks.cpu_launch [--bridge | --te] SCRIPT.py "
          "[script args...]\n  --bridge: a Megatron-Bridge script (its training loop's CUDA stand-ins, "
-         "megapatch.testing.stand_ins.bridge_compat; Bridge imported without Transformer Engine)")
+         "megapatch.testing.stand_ins.bridge_compat; Bridge imported without Transformer Engine)\n"
+         "  --te: with Transformer Engine installed, its kernels on CPU (megapatch.testing.stand_ins.te_runtime): "
+         "--transformer-impl transformer_engine under tp_invariant (TE's attention kernels are not in the runtime)")
 
 
-def _banner(script: str, bridge: bool = False) -> None:
+def _banner(script: str, bridge: bool = False, te: bool = False) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     from megapatch.testing.stand_ins import cpu_compat, megatron_lm_compat
@@ -42,6 +44,8 @@ def _banner(script: str, bridge: bool = False) -> None:
 
         count += len(bridge_compat.TRAINING_WORKAROUNDS)
         modules += ", bridge_compat; TE and nvidia-resiliency-ext as scoped import stand-ins"
+    if te:
+        modules += "; Transformer Engine's kernels on CPU: te_runtime"
     print(f"megapatch.testing.ranks.cpu_launch: running {script} on CPU ranks with {count} CUDA "
           f"stand-ins ({modules}); numerics unchanged", file=sys.stderr, flush=True)
 
@@ -105,10 +109,11 @@ def main(argv: Optional[List[str]] = None, extra: tuple = ()) -> None:
     rank_server.forward()  # under $MPTEST_RANK_SERVER: this process's __main__ runs as its child
     argv = list(sys.argv[1:] if argv is None else argv)
     bridge = bool(argv) and argv[0] == "--bridge"
-    if bridge:
+    te = bool(argv) and argv[0] == "--te"
+    if bridge or te:
         argv = argv[1:]
     script = script_from(argv, USAGE, "megapatch.testing.ranks.cpu_launch")
-    _banner(script, bridge)
+    _banner(script, bridge, te)
     warning = padding_warning(sys.argv[1:])
     if warning and os.environ.get("RANK", "0") == "0":
         print(warning, file=sys.stderr, flush=True)
@@ -121,6 +126,11 @@ def main(argv: Optional[List[str]] = None, extra: tuple = ()) -> None:
         from megapatch.testing.stand_ins import bridge_compat
 
         extra, scope = (*extra, *bridge_compat.TRAINING_WORKAROUNDS), bridge_compat.bridge_without_te()
+    if te:
+        import torch  # noqa: F401 -- before TE: a CPU build of TE finds NCCL through torch
+        from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+        scope = te_cpu_runtime()
     try:
         with scope, megatron_lm_workarounds(extra), cpu_workarounds():
             runpy.run_path(script, run_name="__main__")

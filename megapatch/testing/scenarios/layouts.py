@@ -72,10 +72,11 @@ def flags(layout: Layout, iters: int, global_batch: int, extra: Sequence[str] = 
 def train(checkout: Path, workdir: Path, layout: Layout, env: Mapping[str, str], *, probe: str,
           iters: int = 3, global_batch: int = 12, extra: Sequence[str] = (), label: str = "",
           load: Optional[Path] = None, save_interval: Optional[int] = None,
-          timeout: float = 600.0, llama: Sequence[str] = LLAMA) -> LayoutRun:
+          timeout: float = 600.0, llama: Sequence[str] = LLAMA, launcher: Sequence[str] = ()) -> LayoutRun:
     """One job at ``layout``, saving its final checkpoint (and every ``save_interval`` iterations);
     ``load``: a checkpoint directory to resume from (copied first, so runs never share one); ``llama``: the
-    model flags (default: the Llama flags above)."""
+    model flags (default: the Llama flags above); ``launcher``: the CPU launcher's own options
+    (``--te``: Transformer Engine's kernels on CPU)."""
     name = f"{label or 'run'}-{layout.label}"
     save = workdir / name
     probe_dir = workdir / "probes" / name
@@ -85,7 +86,7 @@ def train(checkout: Path, workdir: Path, layout: Layout, env: Mapping[str, str],
         shutil.copytree(load, save, dirs_exist_ok=True)
         more += ["--load", str(save)]
     run = mlm.launch(checkout, flags(layout, iters, global_batch, more, llama), nproc=layout.nproc,
-                     megapatch_env=env, entry=[probe], timeout=timeout,
+                     megapatch_env=env, entry=[probe, *launcher], timeout=timeout,
                      extra_env={"MEGATRON_LM_PROBE_DIR": str(probe_dir)})
     (workdir / f"{name}.log").write_text(run.log)
     if run.returncode != 0:
@@ -101,7 +102,7 @@ def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: S
                probe: str, base: Layout = Layout(), save_at: int = 1, iters: int = 3,
                global_batch: int = 12, extra: Sequence[str] = (), label: str = "run",
                start: Optional[Path] = None, timeout: float = 600.0,
-               llama: Sequence[str] = LLAMA) -> Dict[str, LayoutRun]:
+               llama: Sequence[str] = LLAMA, launcher: Sequence[str] = ()) -> Dict[str, LayoutRun]:
     """``full``: ``iters`` iterations at ``base``, saving at ``save_at`` (Megatron-LM seeds each
     pipeline stage's initial weights differently, so layouts are compared from one checkpoint);
     ``<layout label>``: resumed from that checkpoint (or ``start``) to ``iters`` at each layout."""
@@ -110,7 +111,7 @@ def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: S
     if start is None:
         runs["full"] = train(checkout, workdir, base, env, probe=probe, iters=iters, global_batch=global_batch,
                              extra=extra, label=f"{label}-full", save_interval=save_at, timeout=timeout,
-                             llama=llama)
+                             llama=llama, launcher=launcher)
         start = runs["full"].checkpoint.parent
     for layout in layouts:
         source = workdir / f"{label}-start-{layout.label}"
@@ -118,5 +119,5 @@ def experiment(checkout: Path, workdir: Path, env: Mapping[str, str], layouts: S
         (source / "latest_checkpointed_iteration.txt").write_text(str(save_at))
         runs[layout.label] = train(checkout, workdir, layout, env, probe=probe, iters=iters,
                                    global_batch=global_batch, extra=extra, label=label, load=source,
-                                   timeout=timeout, llama=llama)
+                                   timeout=timeout, llama=llama, launcher=launcher)
     return runs

@@ -33,11 +33,15 @@ contracts of ``csrc/extensions/gemm.cpp`` and ``normalization.cpp``):
   which megatron-core's gradient clipping and BF16 optimizer bind at import when TE is installed):
   the scale's product in FP32 written in the output's dtype; the norm in FP32 (torch's summation
   order, not the kernel's chunked one); a non-finite value sets the no-op flag.
+* ``tex.multi_tensor_adam`` (TE's ``FusedAdam``, which Megatron-LM's optimizer uses when TE is
+  installed): the AdamFunctor's elementwise FP32 arithmetic, AdamW and L2 modes, with FP32 master
+  params or without (torch's CPU ops: no fused multiply-add as the CUDA kernel may use).
 
 On the way, what is CUDA-only in those modules, replaced for the same scope: ``torch.cuda.is_available``
 (TE's modules refuse to construct without CUDA), ``torch.cuda.current_device`` (allocation device:
 the CPU), ``torch.cuda.is_current_stream_capturing`` (never; and torch's optimizers' own
-graph-capture check, which would ask CUDA for its stream), the cuBLAS workspace
+graph-capture check, which would ask CUDA for its stream; ``torch.accelerator.is_available`` says
+False, so that torch's device-generic code, a DataLoader's pinned memory, stays on the CPU), the cuBLAS workspace
 (``cpp_extensions.gemm.get_cublas_workspace``: an empty CPU buffer), and the ``inp.is_cuda`` check
 of ``TransformerEngineBaseModule.prepare_forward``, answered True for that one input tensor during
 that call. Construct the modules inside the scope with ``device="cpu"``.
@@ -345,8 +349,41 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     return total, (norms if per_tensor else torch.zeros(0))
 
 
+def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode,
+                      bias_correction, weight_decay):
+    """TE's ``FusedAdam`` step (``multi_tensor_adam.cu``'s ``AdamFunctor``) on ``tensor_lists = [grads,
+    params, exp_avgs, exp_avg_sqs]`` (with a fifth, FP32 master params: the update runs on them and
+    the params get it rounded): in FP32, ``mode`` 1 AdamW (decoupled weight decay added to the update),
+    0 Adam with L2 (decay added to the gradient); the bias corrections ``1 - beta^step`` as the host
+    computes them. Each tensor is updated in place."""
+    grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
+    masters = tensor_lists[4] if len(tensor_lists) > 4 else params
+    c1 = float(1 - beta1 ** step) if bias_correction else 1.0
+    c2 = float(1 - beta2 ** step) if bias_correction else 1.0
+    f32 = functools.partial(torch.tensor, dtype=torch.float32)
+    lr_, b1, b2, eps_, decay, c1_, c2_ = (f32(v) for v in (lr, beta1, beta2, eps, weight_decay, c1, c2))
+    for g, p, m, v, master in zip(grads, params, exp_avgs, exp_avg_sqs, masters):
+        r_g, r_p, r_m, r_v = g.float(), master.float(), m.float(), v.float()
+        if not torch.isfinite(r_g).all():
+            noop_flag.fill_(1)
+        if mode == 0:
+            r_g = r_g + decay * r_p
+        r_m = b1 * r_m + (1 - b1) * r_g
+        r_v = b2 * r_v + (1 - b2) * r_g * r_g
+        update = (r_m / c1_) / (torch.sqrt(r_v / c2_) + eps_)
+        if mode != 0:
+            update = update + decay * r_p
+        r_p = r_p - lr_ * update
+        m.copy_(r_m.to(m.dtype))
+        v.copy_(r_v.to(v.dtype))
+        master.copy_(r_p.to(master.dtype))
+        if master is not p:
+            p.copy_(r_p.to(p.dtype))
+
+
 #: every tex function the runtime implements, by name
 KERNELS: Dict[str, Callable] = {
+    "multi_tensor_adam": multi_tensor_adam,
     "multi_tensor_scale": multi_tensor_scale,
     "multi_tensor_l2norm": multi_tensor_l2norm,
     "generic_gemm": generic_gemm,
@@ -487,6 +524,10 @@ class _Runtime:
         put(torch.cuda, "is_available", lambda _o: lambda: True)
         put(torch.cuda, "current_device", lambda _o: lambda: cpu)
         put(torch.cuda, "is_current_stream_capturing", lambda _o: lambda: False)
+        if hasattr(torch, "accelerator"):
+            # only TE is told CUDA is there: torch's device-generic API (a DataLoader's pinned-memory
+            # thread, ...) stays on the CPU
+            put(torch.accelerator, "is_available", lambda _o: lambda: False)
         if hasattr(torch.optim.Optimizer, "_accelerator_graph_capture_health_check"):
             # torch's optimizers ask the CUDA stream whether it is capturing once CUDA is said to be
             # available: nothing captures here
