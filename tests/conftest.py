@@ -77,7 +77,9 @@ def check_refused_where_upstream_cannot_take(prefix: str, what: str, **options) 
 def environ_without_megapatch() -> dict:
     """A copy of this process's environment without any MEGAPATCH_* variable: what a child process
     is started with when a test sets its megapatch variables itself (or none)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_")}
+    from megapatch.core.startup import ACTIVATED_ENV  # this process's, not the child's parent's
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_") and k != ACTIVATED_ENV}
 
 
 class StandInGroup:

@@ -235,7 +235,9 @@ def test_activation_waits_for_an_outer_import_that_is_half_way(monkeypatch):
     inner.__spec__._initializing = True  # as at its own post-import hook
     monkeypatch.setitem(sys.modules, "megatron.core", outer)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", inner)
-    monkeypatch.delenv(startup.ACTIVATED_ENV, raising=False)
+    # recorded, so that teardown removes what _activate sets (a worker's later child processes
+    # would otherwise read this process as their activated parent)
+    monkeypatch.setenv(startup.ACTIVATED_ENV, "0")
     startup._activate(inner)
     assert calls == []  # megatron.core is half-way: wait
     inner.__spec__._initializing = False  # TE's import ends, then megatron.core's body does
