@@ -63,17 +63,9 @@ def _batch(shape, step):
 
 
 def _forward_backward(ctx, model, shape):
-    from megapatch.testing import gather_tp_logits
-    from megapatch.testing.models.tiny_gpt import gather_full_grads, sum_tp_replicated_grads
+    from megapatch.testing.models.tiny_gpt import forward_backward
 
-    batch = _batch(shape, 0)
-    with torch.no_grad():
-        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
-    loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
-    loss.float().mean().backward()
-    sum_tp_replicated_grads(ctx, model)
-    return {"logits": gather_tp_logits(logits, ctx).float(), "loss": loss.detach().float(),
-            "grads": gather_full_grads(model, ctx)}
+    return forward_backward(ctx, model, _batch(shape, 0))
 
 
 def _train(ctx, shape):

@@ -61,17 +61,10 @@ def _build(tp: int, sp: bool, spec: str):
 
 
 def _forward_backward(ctx, model):
-    from megapatch.testing import gather_tp_logits, make_batch
-    from megapatch.testing.models.tiny_gpt import gather_full_grads, sum_tp_replicated_grads
+    from megapatch.testing import make_batch
+    from megapatch.testing.models.tiny_gpt import forward_backward
 
-    batch = make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB)
-    with torch.no_grad():
-        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
-    loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
-    loss.float().mean().backward()
-    sum_tp_replicated_grads(ctx, model)
-    return {"logits": gather_tp_logits(logits, ctx).float(), "loss": loss.detach().float(),
-            "grads": gather_full_grads(model, ctx)}
+    return forward_backward(ctx, model, make_batch(seed=5, batch=2, seq_len=SEQ, vocab=VOCAB))
 
 
 STEPS, CLIP = 3, 0.05  # clipping active at every step (grad norms here are ~0.5-2)

@@ -305,9 +305,14 @@ def _register_hook(module_name: str) -> None:
     wrapt.register_post_import_hook(_on_import, module_name)
 
 
+def _ready(module_name: str) -> bool:
+    """Whether ``module_name`` has finished importing (its hook fired) and is still imported."""
+    return module_name in _loaded and module_name in sys.modules
+
+
 def _imported(patch: Patch) -> bool:
-    """Whether every module ``patch`` needs has finished importing (and is still imported)."""
-    return all(name in _loaded and name in sys.modules for name in patch.modules)
+    """Whether every module ``patch`` needs has finished importing."""
+    return all(_ready(name) for name in patch.modules)
 
 
 def _on_import(module) -> None:
@@ -414,7 +419,7 @@ def _report(patch: Patch, settings) -> PatchReport:
         return PatchReport(patch.name, patch.option, patch.summary, "opted-out",
                            reason=f"{builds_on}left out on purpose: skip_patches from {state.sources()['skip_patches']}")
     if _enabled and patch.applies(settings):
-        waiting = [name for name in patch.modules if not (name in _loaded and name in sys.modules)]
+        waiting = [name for name in patch.modules if not _ready(name)]
         if not waiting or patch.hook in waiting:  # the hook's import brings the rest, as a rule
             waiting = [patch.hook]
         return PatchReport(patch.name, patch.option, patch.summary, "pending-import",

@@ -375,3 +375,17 @@ def build_bf16_optimizer(model: torch.nn.Module, lr: float = 1e-2, clip_grad: fl
     inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     with cuda_type_names():
         return Float16OptimizerWithFloat16Params(inner, config, None, lambda optimizer: None)
+
+
+def forward_backward(ctx, model: torch.nn.Module, batch) -> Dict[str, Any]:
+    """One forward without gradients (the logits) and one with the loss, its mean backward, the
+    TP-replicated gradients summed as Megatron-LM's ``finalize_model_grads`` does: ``{"logits"}``
+    (gathered over TP, FP32), ``{"loss"}`` (per token, FP32) and ``{"grads"}`` (full tensors)."""
+    with torch.no_grad():
+        logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
+    loss = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    loss.float().mean().backward()
+    sum_tp_replicated_grads(ctx, model)
+    return {"logits": gather_tp_logits(logits, ctx).float(), "loss": loss.detach().float(),
+            "grads": gather_full_grads(model, ctx)}
+
