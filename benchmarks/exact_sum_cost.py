@@ -1,6 +1,6 @@
 """What tp_invariant's exact data-parallel sum costs against upstream's FP32 path, per gradient
 bucket: the per-micro-batch deposit (``Accumulator.add`` vs ``main_grad.add_``) and the reduction
-over the data-parallel ranks (``Accumulator.total``: MAX + int64 all-reduce / reduce-scatter, vs one
+over the data-parallel ranks (``Accumulator.total``: MAX, int64 reduce-scatter (+ FP32 all-gather), vs one
 FP32 all-reduce / reduce-scatter), measured in one run on gloo CPU ranks; the bytes each sends per
 element, computed from the collectives' sizes.
 
@@ -50,7 +50,8 @@ def _job(ctx, numel: int, microbatches: int, repeat: int):
         "deposit upstream (main_grad.add_)": _timed(upstream_add, repeat) / microbatches,
         "deposit exact (Accumulator.add)": _timed(exact_add, repeat) / microbatches,
         "all-reduce upstream (FP32)": _timed(lambda: torch.distributed.all_reduce(main.clone(), group=group), repeat),
-        "all-reduce exact (MAX int8 + SUM int64)": _timed(lambda: acc.total(group), repeat),
+        "all-reduce exact (MAX int8, int64 reduce-scatter, FP32 all-gather)": _timed(
+            lambda: acc.total(group), repeat),
         "reduce-scatter upstream (FP32)": _timed(
             lambda: torch.distributed.reduce_scatter_tensor(shard, main.clone(), group=group), repeat),
         "reduce-scatter exact (MAX int8 all-reduce + int64 reduce-scatter)": _timed(
@@ -80,8 +81,8 @@ def main(argv=None) -> None:
             ratio = f"{times[names[ex]] / times[names[up]]:.2f}x" if i == ex else ""
             print(f"| {names[i]} | {times[names[i]]:.4f} | {ratio} |")
     print("bytes per element on the wire (per rank, ring algorithms, DP = d): FP32 all-reduce 2(d-1)/d x 4, "
-          "exact 2(d-1)/d x (1 + 8) = 2.25x; FP32 reduce-scatter (d-1)/d x 4, exact 2(d-1)/d x 1 + (d-1)/d x 8 "
-          "= 2.5x")
+          "exact 2(d-1)/d x 1 + (d-1)/d x (8 + 4) = 1.75x; FP32 reduce-scatter (d-1)/d x 4, exact "
+          "2(d-1)/d x 1 + (d-1)/d x 8 = 2.5x")
 
 
 if __name__ == "__main__":

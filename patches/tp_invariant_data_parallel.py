@@ -16,7 +16,10 @@ Under the mode:
 * ``DistributedDataParallel._make_backward_post_hook``: the hook adds each micro-batch's gradient to
   the bucket's exact accumulator instead of ``main_grad`` (upstream's hook still runs for the rest:
   ``grad = None``, the bucket's readiness), through ``grad_added_to_main_grad``, upstream's own
-  flag for a gradient already accounted for.
+  flag for a gradient already accounted for. The gradient waits in its ``main_grad`` (an exact
+  copy; the mode otherwise keeps the buffer zero) until every parameter of the bucket has one,
+  then the bucket goes into the accumulator in one call: the same terms, element by element, as
+  one call per parameter, at a fraction of the calls.
 * Micro-batch size: every parameter DDP's hook feeds also gets a sink for per-sequence terms
   (``block_tree.SEQUENCE_TERMS``): the mode's layers compute a micro-batch's weight gradients one
   sequence at a time and deposit each as a term of its own, so the exact sum gets the same terms
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
 from megapatch.numerics import block_tree as tpi
@@ -50,6 +55,7 @@ BUFFER = "megatron.core.distributed.param_and_grad_buffer"
 _ACCUMULATOR = "_megapatch_exact_sum"  # on a bucket: its exact_sum.Accumulator
 _DEPOSITED = "_megapatch_exact_hook"   # on a parameter: its DDP hook feeds the exact sum
 _TIED_PENDING = "_megapatch_tied_terms"  # on a tied embedding at PP > 1: its terms, until summed across stages
+_STAGED = "_megapatch_staged"  # on a bucket: the parameters whose gradient waits in main_grad
 
 
 class _Done:
@@ -74,7 +80,7 @@ def _make_backward_post_hook(wrapped, instance, args, kwargs):
             refuse_tp_invariant("a gradient written to main_grad directly (gradient-accumulation fusion; "
                                 "Megatron-LM: --no-gradient-accumulation-fusion)",
                                 "the data-parallel sum is exact only over the gradients DDP's hook hands it")
-        _deposit(group, param, [param.grad])
+        _stage(group, param)
         param.grad_added_to_main_grad = True  # upstream's hook: skip its add, do the rest
         try:
             return upstream(*unused)
@@ -103,14 +109,49 @@ def _accumulator(bucket) -> exact_sum.Accumulator:
     return found
 
 
-def _deposit(bucket_group, param, grads) -> None:
-    bucket = bucket_group.param_to_bucket[param]
+def _bucket_view(bucket, param):
     main = param.main_grad
     if main.untyped_storage().data_ptr() != bucket.grad_data.untyped_storage().data_ptr():
         refuse_tp_invariant("a parameter whose main_grad is not a view of its DDP bucket",
                             "the exact sum is kept per bucket element")
-    start = main.storage_offset() - bucket.grad_data.storage_offset()
+    return main
+
+
+def _deposit(bucket_group, param, grads) -> None:
+    bucket = bucket_group.param_to_bucket[param]
+    start = _bucket_view(bucket, param).storage_offset() - bucket.grad_data.storage_offset()
     _accumulator(bucket).add_terms(start, grads)
+
+
+def _stage(bucket_group, param) -> None:
+    """DDP's hook: ``param.grad`` into the exact sum. Copied into ``main_grad`` (exact: FP32 holds
+    every BF16/FP16/FP32 value) to wait for the rest of its bucket, which then goes in as one term
+    per element: a parameter's gradient coming again before that sends the bucket in first."""
+    bucket = bucket_group.param_to_bucket[param]
+    main = _bucket_view(bucket, param)
+    if main.dtype != torch.float32 or param.grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        _deposit(bucket_group, param, [param.grad])  # a copy would round: deposit it now
+        return
+    staged = getattr(bucket, _STAGED, None)
+    if staged is None:
+        staged = set()
+        setattr(bucket, _STAGED, staged)
+    if param in staged:
+        _flush(bucket)
+    main.copy_(param.grad)
+    staged.add(param)
+    if len(staged) == len(bucket.params_list):
+        _flush(bucket)
+
+
+def _flush(bucket) -> None:
+    """The gradients waiting in ``bucket``'s main_grad views into its exact sum (the others' elements
+    hold zeros: no contribution); the buffer zero again."""
+    staged = getattr(bucket, _STAGED, None)
+    if staged:
+        _accumulator(bucket).add(0, bucket.grad_data)
+        bucket.grad_data.zero_()
+        staged.clear()
 
 
 def _start_grad_sync(wrapped, instance, args, kwargs):
@@ -136,6 +177,7 @@ def _start_grad_sync(wrapped, instance, args, kwargs):
         rank, size = group.rank(), group.size()
     shard = (rank, size) if config.use_distributed_optimizer and not force_all_reduce else None
     for bucket in instance.buckets:
+        _flush(bucket)
         exact = _accumulator(bucket)
         pending = [_defer_tied(bucket, p, exact, group, shard) for p in bucket.params_list if _tied_across_stages(p)]
         _write_sum(exact, bucket.grad_data, group, shard)

@@ -174,9 +174,21 @@ def test_reset_forgets_everything():
 
 def test_more_contributions_than_the_int64_can_hold_raise():
     acc = es.Accumulator(1)
-    acc.counts[0] = es.MAX_CONTRIBUTIONS
+    acc.counts[(0, 1)] = es.MAX_CONTRIBUTIONS
     with pytest.raises(OverflowError, match=str(es.MAX_CONTRIBUTIONS)):
         acc.add(0, torch.ones(1))
+
+
+def test_the_overflow_bound_counts_every_region_an_element_lies_in():
+    """Whole-bucket deposits (DDP's hook) and one parameter's per-sequence terms land in regions
+    that overlap: an element of the parameter received both."""
+    acc = es.Accumulator(10)
+    acc.add(0, torch.ones(10))
+    acc.add_terms(4, [torch.ones(3)] * 5)
+    acc.add(6, torch.ones(4))
+    acc.add(7, torch.ones(3))
+    assert (acc.bound(), acc.bound(0, 4), acc.bound(8, 10)) == (7, 1, 3)
+    assert acc.piece(4, 6).bound() == 6
 
 
 def test_the_largest_allowed_count_of_full_digit_contributions_does_not_overflow():
@@ -226,7 +238,13 @@ def _across_ranks(ctx, seed, count, n, shares):
         acc2.add(0, rows[i])
     shard = acc2.total(torch.distributed.group.WORLD, shard=(ctx.rank, ctx.world_size))
     scalar = es.scalar_sum([float(rows[i][0]) for i in mine], torch.distributed.group.WORLD)
-    return whole.view(torch.int32).tolist(), shard.view(torch.int32).tolist(), scalar
+    # a bucket that does not split into DP pieces (plain DDP pads none): the whole sum's pieces pad
+    acc3 = es.Accumulator(n - 1)
+    for i in mine:
+        acc3.add(0, rows[i][1:])
+    uneven = acc3.total(torch.distributed.group.WORLD)
+    return (whole.view(torch.int32).tolist(), shard.view(torch.int32).tolist(), scalar,
+            uneven.view(torch.int32).tolist())
 
 
 def test_three_ranks_with_uneven_shares_give_the_single_process_bits():
@@ -235,10 +253,11 @@ def test_three_ranks_with_uneven_shares_give_the_single_process_bits():
     results = run_ranks(_across_ranks, world_size=3, init_megatron=False, args=(seed, count, n, shares))
     rows = _rows(seed, count, n)
     expected = _oracle(rows).view(torch.int32).tolist()
-    for whole, shard, scalar in results:
+    for whole, shard, scalar, uneven in results:
         assert whole == expected
+        assert uneven == expected[1:]
         assert scalar == float(sum(Fraction(float(r[0])) for r in rows))
-    assert [v for _, shard, _ in results for v in shard] == expected
+    assert [v for _, shard, _, _ in results for v in shard] == expected
 
 
 def _two_stages(ctx, seed, count, n, shares):
@@ -279,3 +298,45 @@ def test_terms_merged_across_stages_then_summed_give_the_one_process_bits():
     last = torch.tensor(results[2][2], dtype=torch.float32)
     assert first.view(torch.int32).tolist() != expected
     assert (first + last).view(torch.int32).tolist() != expected  # upstream's FP32 add of the stages' sums
+
+
+def test_ddp_hook_gradients_waiting_in_main_grad_give_the_terms_of_one_deposit_each():
+    """tp_invariant.data_parallel's hook copies a gradient into its main_grad and sends a bucket in
+    once every parameter has one (or one comes again first, or the sum starts): the accumulator
+    must hold exactly the terms one call per gradient gives -- a parameter that gets no gradient,
+    one that gets two before the bucket is complete, BF16 and FP32 gradients whose FP32 sum would
+    round (1 + 2**-30) -- and main_grad must be zero again afterwards."""
+    from types import SimpleNamespace
+
+    from megapatch.patches import tp_invariant_data_parallel as dp
+
+    class Param:  # what the hook reads of a parameter: .grad (any float dtype) and .main_grad
+        grad = None
+
+    buffer = torch.zeros(11)
+    params = [Param(), Param(), Param()]
+    views = [buffer[0:4].view(2, 2), buffer[4:7], buffer[7:11]]
+    for p, view in zip(params, views):
+        p.main_grad = view
+    bucket = SimpleNamespace(grad_data=buffer, params_list=params)
+    group = SimpleNamespace(param_to_bucket={p: bucket for p in params})
+    grads = [  # (parameter, gradient) in hook order: p0 twice before p1 and p2 arrive; p2 once
+        (0, torch.tensor([[1.0, -2.0], [2.0 ** -30, 3.0]]).bfloat16()),
+        (0, torch.tensor([[2.0 ** -30, 1.0], [1.0, -3.0]])),
+        (1, torch.tensor([0.5, 2.0 ** 20, -1.0])),
+        (2, torch.tensor([7.0, 0.0, -2.0 ** -40, 1.5]).bfloat16()),
+        (0, torch.tensor([[1.0, 1.0], [1.0, 1.0]])),
+        (1, torch.tensor([2.0 ** -24, 1.0, 1.0])),
+    ]
+    expected = es.Accumulator(11)
+    for i, grad in grads:
+        params[i].grad = grad
+        dp._stage(group, params[i])
+        start = views[i].storage_offset()
+        expected.add(start, grad)
+    dp._flush(bucket)
+    got = dp._accumulator(bucket)
+    assert torch.equal(got.limbs, expected.limbs) and torch.equal(got.top, expected.top)
+    assert _bits_equal(got.total(), expected.total())
+    assert not buffer.any()
+    assert got.bound() >= expected.bound()
