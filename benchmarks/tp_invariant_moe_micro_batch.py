@@ -30,7 +30,8 @@ LAYOUTS = {"tp_invariant": (L(), L(mbs=2), L(mbs=4), L(dp=2, mbs=2), L(dp=3, mbs
            "native": (L(), L(mbs=4), L(dp=2, mbs=2))}
 #: run with --expert-model-parallel-size 2 (the experts split over the two DP ranks; --ep), compared with
 #: the first: Megatron-LM initialises experts per EP rank, so EP 2 starts from another model than EP 1
-EP_LAYOUTS = {"tp_invariant": (L(dp=2, mbs=1), L(dp=2, mbs=2), L(dp=2, mbs=3)), "native": (L(dp=2, mbs=1), L(dp=2, mbs=2))}
+EP_LAYOUTS = {"tp_invariant": (L(dp=2, mbs=1), L(dp=2, mbs=2), L(dp=2, mbs=3), L(tp=2, dp=2, mbs=2)),
+              "native": (L(dp=2, mbs=1), L(dp=2, mbs=2))}
 EP = ("--expert-model-parallel-size", "2")
 
 
@@ -38,7 +39,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout (default: the pinned core_v0.16.1 tarball)")
     parser.add_argument("--ep", action="store_true",
-                        help="the expert-parallel rows only: EP 2 at DP 2, mbs 1, 2 (and 3), against EP 2 mbs 1")
+                        help="the expert-parallel rows only: EP 2 at DP 2, mbs 1, 2 (and 3, and TP 2 at mbs 2), "
+                             "against EP 2 mbs 1")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         checkout = args.megatron_lm or mlm.pinned_checkout(Path(tmp) / "src")

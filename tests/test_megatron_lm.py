@@ -778,9 +778,10 @@ def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4_
 def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(checkout, tmp_path_factory, optimizer):
     """Issue 26: the MoE flags at DP 2 (world 2 x TP): trained at TP 1 EP 1, saved (torch_dist),
     resumed at TP 1 EP 1, TP 1 EP 2 and TP 2 EP 2 -- an EP rank then computes experts on both
-    data-parallel ranks' tokens, and the expert parameters' gradients and norm span EP ranks. Under
-    tp_invariant every resume gives the TP 1 EP 1 resume's per-token losses, printed losses, grad
-    norms and final checkpoint tensors (parameters, FP32 main parameters, Adam moments).
+    data-parallel ranks' tokens, and the expert parameters' gradients and norm span EP ranks -- and
+    (issue 37) at TP 2 EP 2 with micro-batches of 1 sequence instead of 2. Under tp_invariant every
+    resume gives the TP 1 EP 1 resume's per-token losses, printed losses, grad norms and final
+    checkpoint tensors (parameters, FP32 main parameters, Adam moments).
     What upstream (core_v0.16.1) does not allow here, and this test therefore leaves out: training
     from scratch at another EP size (expert weights are drawn from per-EP-rank RNG streams), and
     loading the optimizer state across an EP change (the chained optimizer's state has another
@@ -794,15 +795,16 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
     _tp_invariant_revision(checkout)
 
     def flags_for(layout, iters, extra):
-        tp, ep = layout
-        return mlm.tiny_gpt_flags(tp=tp, heads=8, sequence_parallel=tp > 1, iters=iters, vocab=255, extra=(
+        tp, ep, *mbs = layout  # micro-batch size 2 (one micro-batch per DP rank) unless given
+        return mlm.tiny_gpt_flags(tp=tp, heads=8, sequence_parallel=tp > 1, iters=iters, vocab=255,
+                                  micro_batch=mbs[0] if mbs else 2, extra=(
             *MOE_FLAGS, "--num-query-groups", "4", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type",
             "alltoall", "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(tp),
             "--ckpt-format", "torch_dist", *extra))
 
     layout = tp_resume.Layout(flags_for=flags_for, nproc_for=lambda layout: 2 * layout[0])
     runs = tp_resume.experiment(checkout[1], tmp_path_factory.mktemp("moe-resume"), MOE_MODES["tp_invariant"],
-                                probe=PROBE, train_tp=(1, 1), resume_tps=((1, 1), (1, 2), (2, 2)), save_at=2,
+                                probe=PROBE, train_tp=(1, 1), resume_tps=((1, 1), (1, 2), (2, 2), (2, 2, 1)), save_at=2,
                                 iters=4, label="moe", timeout=TIMEOUT, layout=layout,
                                 # the RNG state is saved per (TP, EP) rank and not resharded; nothing
                                 # here draws random numbers after initialisation (no dropout)
@@ -813,10 +815,17 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
     assert len(reference.loss_hashes) == 2 and reference.loss_hashes[0] == runs["full"].loss_hashes[-2]
     tensors = reference.tensors()
     assert any("experts" in key for key in tensors), sorted(tensors)[:10]
-    for name in ("resume1x2", "resume2x2"):
+    for name in ("resume1x2", "resume2x2", "resume2x2x1"):
         run = runs[name]
-        assert (run.loss_hashes, run.losses, run.grad_norms) == (
-            reference.loss_hashes, reference.losses, reference.grad_norms), name
+        assert run.grad_norms == reference.grad_norms, name
+        if name == "resume2x2x1":
+            # the printed loss is upstream's average of per-micro-batch FP32 averages: at another
+            # micro-batch size it may move in its last printed digit (docs/tp_invariant.md); the
+            # per-token losses come one hash per micro-batch (two per step here)
+            assert run.losses.keys() == reference.losses.keys()
+            assert all(abs(float(run.losses[i]) / float(reference.losses[i]) - 1) < 1e-6 for i in run.losses), name
+        else:
+            assert (run.loss_hashes, run.losses) == (reference.loss_hashes, reference.losses), name
         assert not tp_resume.differences(run.tensors(), tensors), name
 
 
