@@ -42,6 +42,14 @@ case $module in
     "$T/test_quick_loop.py"
     "$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]")
     slow=("${MLM}_steps_are_the_same_at_any_data_parallel_size_pipeline_depth_and_micro_batch_size[core_v0.16.1]") ;;
+  megapatch/numerics/per_sequence.py|patches/tp_invariant_moe_micro_batch.py) tests=(
+    "$T/test_tp_invariant_mutants.py::test_an_moe_micro_batch_runs_one_sequence_at_a_time_and_each_sequence_deposits_its_own_term"
+    "$T/test_tp_invariant.py::test_a_micro_batch_hands_the_exact_sum_one_weight_gradient_term_per_sequence"
+    "$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]")
+    slow=("${MLM}_moe_steps_are_the_same_at_micro_batch_sizes_and_data_parallel_sizes[core_v0.16.1]") ;;
+  patches/tp_invariant_transformer_engine.py) tests=(  # PYTHON: an interpreter with TE (CI's te stage venv)
+    "$T/test_tp_invariant_transformer_engine.py")
+    slow=("$T/test_megatron_lm_te.py") ;;
   patches/tp_invariant.py) tests=(
     "$T/test_tp_invariant.py::test_several_distributed_optimizer_instances_are_refused_before_it_is_built"
     "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
