@@ -2,7 +2,7 @@
 log-prob mismatch per megapatch mode and trainer/rollout layout (results/train_rl.md).
 
     python benchmarks/train_rl.py [--revision core_v0.16.1|main-d98e8a64] [--megatron-lm DIR] [--iters 3] [--layouts 2/1,4/2,1/2]
-                                  [--modes ...] [--moe] [--no-sequence-parallel]
+                                  [--modes ...] [--moe [--ep 2/2]] [--group 4] [--no-sequence-parallel]
                                   [--hidden 64 --ffn 128 [--moe-ffn N]]
 
 A tiny dense Qwen3-shaped model (QK RMSNorm, SwiGLU, GQA), GRPO, 2 prompts x 4 rollouts a step in
@@ -45,6 +45,11 @@ def main(argv=None) -> int:
                         "unless --moe-ffn)")
     parser.add_argument("--moe-ffn", type=int, default=None, help="the experts' FFN size (default: 64 at "
                         "hidden 64, else --ffn)")
+    parser.add_argument("--ep", default="1/1", help="with --moe: trainer EP / rollout EP (the job then has "
+                                                    "trainer TP x trainer EP ranks at least)")
+    parser.add_argument("--group", type=int, default=4,
+                        help="rollouts per prompt (upstream's engines on different data-parallel ranks sample "
+                             "with one seed: a group needs members on one engine to differ)")
     parser.add_argument("--no-sequence-parallel", action="store_true",
                         help="the trainer without --sequence-parallel (default: on at TP > 1)")
     args = parser.parse_args(argv)
@@ -59,18 +64,22 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|")
         layouts = [tuple(int(x) for x in layout.split("/")) for layout in args.layouts.split(",")]
         moe_ffn = args.moe_ffn or (64 if args.hidden == 64 else args.ffn)
+        ep, rollout_ep = (int(x) for x in args.ep.split("/"))
         for tp, rollout_tp in layouts:
             for mode in args.modes.split(","):
                 env = MODES[mode]
                 start = time.monotonic()
-                job, steps = train_rl.run(checkout, root, nproc=max(tp, rollout_tp), tp=tp, rollout_tp=rollout_tp,
+                nproc = max(tp * ep, rollout_tp * rollout_ep) if args.moe else max(tp, rollout_tp)
+                job, steps = train_rl.run(checkout, root, nproc=nproc, tp=tp, rollout_tp=rollout_tp,
                                           iters=args.iters, megapatch_env=env, name=f"{tp}-{rollout_tp}",
+                                          group=args.group,
                                           sequence_parallel=not args.no_sequence_parallel,
                                           hidden=args.hidden, ffn=args.ffn, moe_ffn=moe_ffn, revision=args.revision,
-                                          **(dict(moe=True, ep=1, rollout_ep=1) if args.moe else {}))
+                                          **(dict(moe=True, ep=ep, rollout_ep=rollout_ep) if args.moe else {}))
                 wall = time.monotonic() - start
                 if job.returncode != 0 or len(steps) != args.iters:
-                    print(f"| {tp} / {rollout_tp} | {mode} | failed (exit {job.returncode}) | | | | {wall:.0f} |")
+                    print(f"| {tp} / {rollout_tp} | {mode} | failed (exit {job.returncode}, {len(steps)} steps "
+                          f"logged) | | | | {wall:.0f} |")
                     print(job.tail(3000), file=sys.stderr)
                     continue
                 worst = max(s["max_inf_train_prob_abs_diff"] for s in steps)
@@ -78,8 +87,9 @@ def main(argv=None) -> int:
                 low = min(s["min_piold_to_inf_prob"] for s in steps)
                 high = max(s["max_piold_to_inf_prob"] for s in steps)
                 norms = ", ".join(re.findall(r"grad norm: ([0-9.]+)", job.log))
-                print(f"| {tp} / {rollout_tp} | {mode} | {worst:.3g} | {mean:.3g} | {low:.7g} / {high:.7g} | "
-                      f"{norms} | {wall:.0f} |", flush=True)
+                per_step = ", ".join(f"{s['max_inf_train_prob_abs_diff']:.3g}" for s in steps)
+                print(f"| {tp} / {rollout_tp} | {mode} | {worst:.3g} (steps: {per_step}) | {mean:.3g} | "
+                      f"{low:.7g} / {high:.7g} | {norms} | {wall:.0f} |", flush=True)
     return 0
 
 
