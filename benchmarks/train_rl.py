@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--group", type=int, default=4,
                         help="rollouts per prompt (upstream's engines on different data-parallel ranks sample "
                              "with one seed: a group needs members on one engine to differ)")
+    parser.add_argument("--all-ranks", action="store_true",
+                        help="each step's worst rank (default: rank 0's statistics, what upstream logs)")
     parser.add_argument("--no-sequence-parallel", action="store_true",
                         help="the trainer without --sequence-parallel (default: on at TP > 1)")
     args = parser.parse_args(argv)
@@ -72,12 +74,17 @@ def main(argv=None) -> int:
                 nproc = max(tp * ep, rollout_tp * rollout_ep) if args.moe else max(tp, rollout_tp)
                 job, steps = train_rl.run(checkout, root, nproc=nproc, tp=tp, rollout_tp=rollout_tp,
                                           iters=args.iters, megapatch_env=env, name=f"{tp}-{rollout_tp}",
-                                          group=args.group,
+                                          group=args.group, timeout=300,
                                           sequence_parallel=not args.no_sequence_parallel,
                                           hidden=args.hidden, ffn=args.ffn, moe_ffn=moe_ffn, revision=args.revision,
                                           **(dict(moe=True, ep=ep, rollout_ep=rollout_ep) if args.moe else {}))
                 wall = time.monotonic() - start
-                if job.returncode != 0 or len(steps) != args.iters:
+                if args.all_ranks:  # each rank's statistics of its own rollouts; the worst rank per step
+                    ranks = [train_rl.rank_stats(job, r) for r in range(nproc)]
+                    steps = [max(row, key=lambda s: s["max_inf_train_prob_abs_diff"]) for row in zip(*ranks)]
+                if job.returncode != 0 and len(steps) == args.iters:
+                    mode += f" (every step logged; the job then did not exit: {job.returncode})"
+                elif job.returncode != 0 or len(steps) != args.iters:
                     print(f"| {tp} / {rollout_tp} | {mode} | failed (exit {job.returncode}, {len(steps)} steps "
                           f"logged) | | | | {wall:.0f} |")
                     print(job.tail(3000), file=sys.stderr)

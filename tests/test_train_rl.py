@@ -102,6 +102,60 @@ def test_train_rl_with_experts_logs_zero_mismatch_at_trainer_tp2_rollout_tp1_und
     assert len(native_steps) == 3 and all(s["max_inf_train_prob_abs_diff"] > 0 for s in native_steps), native_steps
 
 
+def _refit_sources(monkeypatch, tp_invariant: bool):
+    """For each rollout rank's expert parameters, the global expert index of the trainer parameter
+    upstream's refit planner takes as the source -- its own name matching (``assign_resolved_name_inplace``)
+    and source choice (``select_src_metadata_balanced``), on the metadata of a trainer at TP 2 EP 2
+    (4 ranks: TP groups {0,1} {2,3}, EP and DP groups {0,2} {1,3}) and a rollout at TP 1 EP 2 (EP groups
+    {0,1} {2,3}, DP groups {0,2} {1,3}), 4 experts, two a rank; ``(wanted, taken)`` pairs."""
+    from megatron.core.resharding import utils
+
+    from megapatch.core import options, state
+    from megapatch.patches import tp_invariant_rl_refit as patch
+
+    monkeypatch.setattr(state, "_current", options.Settings(tp_invariant=tp_invariant))
+    upstream = utils.assign_ep_resolved_name_inplace
+    monkeypatch.setattr(utils, "assign_ep_resolved_name_inplace", lambda meta, base_name=None: (
+        patch._assign_ep_resolved_name(upstream, None, (meta,), {"base_name": base_name})))
+
+    def meta(rank, local, tp_ranks, ep_ranks, dp_ranks):
+        m = utils.ParameterMetadata(
+            name=f"decoder.layers.0.mlp.experts.local_experts.{local}.linear_fc1.weight", shape=(64, 32),
+            dtype=torch.bfloat16, element_size=2, is_tp=True, is_ep=True, num_experts=4, owner_rank=rank,
+            tensor_parallel_group_ranks=tp_ranks, expert_parallel_group_ranks=ep_ranks,
+            data_parallel_group_ranks=dp_ranks)
+        utils.assign_resolved_name_inplace(m)
+        return m, ep_ranks.index(rank) * 2 + local  # the global expert it holds
+
+    sources = {}
+    for rank in range(4):
+        for local in range(2):
+            m, expert = meta(rank, local, [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2],
+                             [rank % 2, rank % 2 + 2])
+            sources.setdefault(m.resolved_name, []).append((m, expert))
+    pairs = []
+    for rank in range(4):
+        for local in range(2):
+            dst, wanted = meta(rank, local, [rank], [rank // 2 * 2, rank // 2 * 2 + 1], [0, 1, 2, 3])
+            candidates = sources[dst.resolved_name]
+            chosen = utils.select_src_metadata_balanced([m for m, _ in candidates], dst, rank)
+            pairs.append((wanted, next(e for m, e in candidates if m is chosen)))
+    return pairs
+
+
+@pytest.mark.quick("tp_invariant.rl_refit")
+def test_the_refit_takes_each_expert_from_the_trainer_rank_that_holds_it_under_tp_invariant(monkeypatch):
+    """tp_invariant.rl_refit, against megatron-core's own refit planner code: upstream matches
+    SequentialMLP experts by their local index, so some rollout ranks get another expert's weights
+    (the precondition; train_rl.py then logs a mismatch once training moves the experts apart:
+    results/train_rl.md); under the mode every rollout expert comes from the trainer's copy of it."""
+    native = _refit_sources(monkeypatch, tp_invariant=False)
+    assert any(wanted != taken for wanted, taken in native), native
+    pairs = _refit_sources(monkeypatch, tp_invariant=True)
+    assert all(wanted == taken for wanted, taken in pairs), pairs
+    assert sorted(w for w, _ in pairs) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
 def test_the_trainers_log_probs_under_tp_invariant_are_the_engines_arithmetic():
     """tp_invariant.rl_logprobs: the trainer's log-probs of a [batch, sequence, vocab] block equal,
     bit for bit, what the dynamic engine computes for the same rows laid out [tokens, vocab]

@@ -117,7 +117,7 @@ def run(checkout, workdir, *, nproc: int, megapatch_env: Optional[Mapping[str, s
     ``megapatch_env`` only; returns ``(run, stats)``: the finished :class:`Run` and rank 0's
     recorded rollout statistics, one dict per step (upstream's ``RolloutStats`` fields)."""
     from megapatch.testing.ranks import megatron_lm_runs as mlm
-    from megapatch.testing.stand_ins.rl_compat import STATS_ENV, read_rollout_stats
+    from megapatch.testing.stand_ins.rl_compat import STATS_ENV
 
     workdir = Path(workdir)
     tokenizer = workdir / "tokenizer"
@@ -131,4 +131,12 @@ def run(checkout, workdir, *, nproc: int, megapatch_env: Optional[Mapping[str, s
                      entry=["-m", "megapatch.testing.ranks.rl_launch"],
                      extra_env={"PYTHONPATH": str(checkout), STATS_ENV: str(stats),
                                 "WANDB_MODE": "disabled"})
-    return job, (read_rollout_stats(stats) if stats.is_file() else [])
+    job.stats_path = stats
+    return job, rank_stats(job, 0)
+
+
+def rank_stats(job, rank: int) -> list:
+    """One rank's recorded rollout statistics of a finished :func:`run`, one dict per step."""
+    from megapatch.testing.stand_ins.rl_compat import read_rollout_stats
+
+    return read_rollout_stats(job.stats_path, rank) if job.stats_path.is_file() else []
