@@ -144,7 +144,7 @@ case $module in
     "$T/test_doctor_agrees_with_run.py::test_transformer_engine_missing_stops_the_run_in_the_doctors_words_only_where_megapatch_is_active"
     "$T/test_doctor.py::test_transformer_engine_missing_is_said_first_before_any_megapatch_reason"
     "$T/test_cross_rank.py") ;;
-  patches/logits_fp32_rl_logprobs.py|patches/tp_invariant_rl_logprobs.py) tests=(
+  patches/logits_fp32_rl_logprobs.py|patches/tp_invariant_rl_logprobs.py|patches/tp_invariant_rl_refit.py) tests=(
     "$T/test_train_rl.py") ;;
   patches/logits_fp32_inference.py) tests=(
     "$T/test_logits_fp32_inference.py::test_the_pipeline_forward_returns_the_models_fp32_logits_of_every_micro_batch_in_order"
