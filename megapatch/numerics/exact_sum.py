@@ -64,10 +64,9 @@ def top_bins(values: torch.Tensor) -> torch.Tensor:
 
 
 def _grid_exponent(top: torch.Tensor) -> torch.Tensor:
-    """``log2`` of the grid unit of each element (int32); 0 where the element holds nothing."""
-    top = top.to(torch.int32)
-    usable = (top != EMPTY) & (top != NONFINITE)
-    return torch.where(usable, (top - (LIMBS - 1)) * BIN, torch.zeros_like(top))
+    """``log2`` of the grid unit of each element (int32). ``EMPTY`` and ``NONFINITE`` elements get a
+    finite grid of no meaning (their sums are zero or replaced by NaN, their digits discarded)."""
+    return (top.to(torch.int32).clamp(*_FINITE_BINS) - (LIMBS - 1)) * BIN
 
 
 def _drop_limbs(limbs: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -88,8 +87,7 @@ def _digits(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     ``trunc(t / 2**(k*BIN)) - trunc(t / 2**((k+1)*BIN)) * 2**BIN``, which carries ``t``'s sign.
     Elements whose top bin is ``EMPTY`` or ``NONFINITE`` give digits of no meaning: the caller
     keeps them out."""
-    grid = (top.to(torch.int32).clamp(*_FINITE_BINS) - (LIMBS - 1)) * BIN
-    t = values.double() * torch.exp2(grid.neg().double())
+    t = values.double() * torch.exp2(_grid_exponent(top).neg().double())
     out = torch.empty((LIMBS,) + t.shape, dtype=torch.int32, device=t.device)
     upper = torch.trunc(t)
     for k in range(LIMBS - 1):
@@ -132,8 +130,9 @@ class Accumulator:
         bins = top_bins(flat)
         new_top = torch.maximum(top, bins[0] if one else bins.amax(dim=0))
         shift = (new_top.to(torch.int32) - top.to(torch.int32)).masked_fill_(top == EMPTY, 0)
-        if bool(shift.any()):
-            limbs.copy_(_drop_limbs(limbs, shift))
+        kept = _drop_limbs(limbs, shift)
+        if kept is not limbs:  # a top bin rose
+            limbs.copy_(kept)
         top.copy_(new_top)
         digits = _digits(flat, new_top)
         limbs.add_(digits[:, 0] if one else digits.sum(dim=1, dtype=torch.int32))  # [LIMBS, terms, n]
