@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megapatch.core.errors import OptionError
 from megapatch.testing import run_ranks
 from megapatch.testing.scenarios import moe_tiny
 from tests.test_tp_invariant import _differing, _needs_the_mode
@@ -213,8 +214,8 @@ def test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_
 @pytest.mark.quick("tp_invariant.moe")
 def test_expert_gemms_run_per_source_data_parallel_rank_and_their_wgrad_adds_the_sources_in_rank_order(monkeypatch):
     """With expert parallelism an EP rank receives several data-parallel ranks' tokens for an
-    expert: every forward GEMM on them sees one source's rows (the shapes that rank alone would
-    run), and the weight gradient adds the sources' FP32 partials in the fixed tree in data-parallel
+    expert: every forward GEMM on them sees one source's rows (on CPU padded to
+    ``block_tree.MIN_TOKEN_ROWS``, see the next test), and the weight gradient adds the sources' FP32 partials in the fixed tree in data-parallel
     rank order, whatever order the rows arrived in. Planted: partials 1, -1, 2^-24, 2^-24 from DP
     ranks 0..3 give (1 + -1) + (2^-24 + 2^-24) = 2^-23 in rank order, 2^-24 in arrival order."""
     from megapatch.numerics import block_tree as tpi
@@ -226,10 +227,50 @@ def test_expert_gemms_run_per_source_data_parallel_rank_and_their_wgrad_adds_the
     weight = torch.randn(4, 16, requires_grad=True)
     sources = tpi.TokenSources(counts=(1, 2, 1, 2), leaves=(0, 2, 1, 3), group=None, total=4)
     out = tpi.ColumnParallel.apply(x, weight, None, None, False, 2, None, 1, False, sources)
-    assert {rows for rows, _ in shapes} == {1, 2} and len(shapes) == 2 * 4  # 2 column blocks x 4 sources
+    assert {rows for rows, _ in shapes} == {tpi.MIN_TOKEN_ROWS} and len(shapes) == 2 * 4  # 2 column blocks x 4 sources
     per_row = torch.tensor([1.0, 2.0 ** -25, 2.0 ** -25, -1.0, 2.0 ** -25, 2.0 ** -25])  # by source: 1, 2^-24, -1, 2^-24
     out.backward(per_row[:, None].expand_as(out).contiguous())
     assert torch.equal(weight.grad, torch.full_like(weight, 2.0 ** -23))
+
+
+def test_an_expert_rows_forward_bits_do_not_depend_on_how_many_rows_its_source_sent():
+    """A token's expert output is the same whether its source rank sent the expert 1 row or 64: a
+    rollout's decode step sends an expert a few rows a source, the trainer's micro-batch many (CPU
+    FP32 GEMMs give a row other bits at 1-3, 5-7 and 9-11 rows: the precondition)."""
+    from megapatch.numerics import block_tree as tpi
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 96, generator=gen)  # FP32 activations: BF16 outputs would round most differences away
+    fc1 = torch.randn(128, 96, generator=gen).bfloat16()  # column blocks of 16 outputs (W 8)
+    fc2 = torch.randn(96, 128, generator=gen).bfloat16()
+    few = tpi.TokenSources(counts=(1, 2, 3, 58), leaves=(0, 1, 2, 3), group=None, total=4)
+    one = tpi.TokenSources(counts=(64,), leaves=(0,), group=None, total=4)
+    w = tpi.operand(fc1[:16]).t()
+    assert any(not torch.equal(tpi.product(tpi.operand(x[:r]), w), tpi.product(tpi.operand(x), w)[:r])
+               for r in (1, 2, 3))
+    with torch.no_grad():
+        for sources in (few, one):
+            col = tpi.ColumnParallel.apply(x, fc1, None, None, False, 8, None, 1, False, sources)
+            row = tpi.RowParallel.apply(col, fc2, None, 8, False, sources)
+            if sources is few:
+                col_few, row_few = col, row
+    assert torch.equal(col_few, col) and torch.equal(row_few, row)
+
+
+def test_a_tp1_model_built_with_sequence_parallelism_runs_a_sequence_the_width_does_not_divide():
+    """A rollout model at TP 1 keeps the trainer's ``sequence_parallel=True``; its engine's dummy
+    forward (an EP rank with no requests) runs TP-size tokens. At TP 1 nothing is split: the
+    sequence is one token block, as without sequence parallelism, not a refusal."""
+    from types import SimpleNamespace
+
+    from megapatch.numerics import block_tree as tpi
+
+    alone = SimpleNamespace(size=lambda: 1)
+    assert tpi.token_blocks(torch.zeros(2, 1, 8), alone, True) == 1
+    assert tpi.token_blocks(torch.zeros(2, 1, 8), None, False) == 1
+    assert tpi.token_blocks(torch.zeros(16, 1, 8), alone, True) == tpi.width()
+    with pytest.raises(OptionError, match="not divisible"):
+        tpi.token_blocks(torch.zeros(2, 1, 8), SimpleNamespace(size=lambda: 2), True)
 
 
 @pytest.mark.quick("tp_invariant.grad_norm")

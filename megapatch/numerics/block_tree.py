@@ -108,9 +108,9 @@ def token_blocks(tokens: torch.Tensor, group, split: bool) -> int:
     sequence parallelism splits the sequence over the TP group. Without it, a sequence W does not
     divide is one block (the same at every TP size; such a run cannot use sequence parallelism
     under the mode, which refuses it, so there is no split run to agree with)."""
-    if not split and tokens.shape[0] % width():
-        return 1
     group = group if split else None
+    if group_size(group) == 1 and tokens.shape[0] % width():
+        return 1
     check_divisible("the sequence (tokens summed into a norm or bias gradient)",
                     tokens.shape[0] * group_size(group), tokens.shape[0], group)
     return blocks_per_rank(group)
@@ -368,7 +368,7 @@ class ColumnParallel(torch.autograd.Function):
         for sl in column_blocks(weight.shape[0], nb, halves)[0]:
             w = operand(weight[sl]).t()
             out = (token_product(x2, w) if sources is None
-                   else _by_source(lambda rows: product(operand(xs[rows]), w), sources, xs.shape[0]))
+                   else _by_source(lambda rows: token_product(operand(xs[rows]), w), sources, xs.shape[0]))
             if bias is not None:
                 out = out + f32(bias[sl])
             outs.append(out.view(*x.shape[:-1], out.shape[-1]))
@@ -432,8 +432,7 @@ class RowParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.nb, ctx.sources, ctx.param = nb, sources, weight
         x2 = x.reshape(-1, x.shape[-1])
-        gemm = token_product if sources is None else product  # an expert's rows: see token_product
-        partials = [_by_source(lambda rows, sl=sl: gemm(operand(x2[rows, sl]), operand(weight[:, sl]).t()),
+        partials = [_by_source(lambda rows, sl=sl: token_product(operand(x2[rows, sl]), operand(weight[:, sl]).t()),
                                sources, x2.shape[0]).view(*x.shape[:-1], weight.shape[0])
                     for sl in slices(weight.shape[1], nb)]
         out = _owned(invariant_sum(partials, group, x.dtype))
