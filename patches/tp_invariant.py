@@ -47,7 +47,8 @@ Every TP-dependent computation of a GPT forward and backward, and where it is ha
 
 Exact already, untouched: the vocab-parallel embedding's all-reduce (one non-zero per token),
 all-gathers, the norms' per-token work and replicated parameters' gradients (same full tensors on every rank),
-core attention (per head), the MLP activation, the loss average, Adam (elementwise).
+core attention (per head; patches/tp_invariant_attention.py gives it one arithmetic for training and
+the dynamic engine's decode steps), the MLP activation, the loss average, Adam (elementwise).
 
 Llama-shaped models (SwiGLU, RMSNorm, RoPE, grouped-query attention with at least as many KV
 groups as the TP size, untied output layer, no biases) are covered.
@@ -250,7 +251,7 @@ def _is_qk_norm(name: str, config) -> bool:
     return name.rsplit(".", 1)[-1] in _QK_NORMS and not getattr(config, "multi_latent_attention", False)
 
 
-def _token_blocked_norm(module, heads: bool = False) -> None:
+def _token_blocked_norm(module, heads: bool = False, group=None) -> None:
     """Route a norm layer's affine part through ``TokenBlockedAffine`` (its weight and bias
     gradients sum over tokens, which sequence parallelism splits over TP; ``heads``: a QK norm's,
     over tokens and the heads TP splits); refuse norms with parameters that the mode does not know."""
@@ -259,6 +260,7 @@ def _token_blocked_norm(module, heads: bool = False) -> None:
     if _norm_affine(module) is not None:
         module.forward = functools.partial(_norm_forward, module, module.forward, heads)
         module._megapatch_token_blocked = True
+        module._megapatch_tp_group = group
     elif "norm" in type(module).__name__.lower() and any(True for _ in module.parameters(recurse=False)):
         _refuse(f"the norm layer {type(module).__qualname__}",
                 "its weight gradient sums tokens in an order the mode does not control; torch's "
@@ -269,7 +271,8 @@ def _norm_forward(module, original, heads, hidden):
     if not tpi.active():
         return original(hidden)
     normalise, weight, bias = _norm_affine(module)  # per call: a zero-centred weight is w + 1
-    group = _tp_group_if_initialised()
+    # the model's own TP group: a rollout model at TP 1 beside a TP-2 trainer is not split
+    group = getattr(module, "_megapatch_tp_group", None) or _tp_group_if_initialised()
     if heads:  # [s, b, heads or KV groups of this rank, head dim]
         if hidden.dim() != 4:
             _refuse(f"a QK norm's input of shape {tuple(hidden.shape)}",
@@ -717,6 +720,7 @@ def _block_init(wrapped, instance, args, kwargs):
     _check_config(config, argument(args, kwargs, 5, "pg_collection", None))
     result = wrapped(*args, **kwargs)
     te_covered = []  # a covered TE module's own TE submodules (attention backends) do not run under the mode
+    own_group = getattr(getattr(instance, "pg_collection", None), "tp", None)
     for name, module in instance.named_modules():
         if any(name.startswith(prefix) for prefix in te_covered):
             continue
@@ -724,7 +728,7 @@ def _block_init(wrapped, instance, args, kwargs):
             te_covered.append(name + ".")
             if type(module).__name__.endswith("Linear"):  # its fused norm: tp_invariant.transformer_engine
                 continue
-        _token_blocked_norm(module, _is_qk_norm(name, config))
+        _token_blocked_norm(module, _is_qk_norm(name, config), own_group)
         _mark_gated_fc1(module)
         _mark_experts(name, module)
     return result
