@@ -39,7 +39,8 @@ MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits
          megapatch/commands/demo.py megapatch/__init__.py megapatch/core/errors.py megapatch/_checkout.py
          megapatch/numerics/exact_sum.py patches/tp_invariant_data_parallel.py patches/tp_invariant_loss_scale.py
          patches/tp_invariant_micro_batch.py megapatch/numerics/per_sequence.py
-         patches/tp_invariant_moe_micro_batch.py patches/tp_invariant_rl_refit.py)  # patches/tp_invariant_transformer_engine.py: PYTHON with TE
+         patches/tp_invariant_moe_micro_batch.py patches/tp_invariant_rl_refit.py
+         patches/tp_invariant_attention.py patches/tp_invariant_engine_attention.py megapatch/numerics/attention.py)  # patches/tp_invariant_transformer_engine.py: PYTHON with TE
 [ $# -gt 0 ] && MODULES=("$@")
 
 tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout

@@ -30,6 +30,8 @@ case $module in
     "$T/test_tp_invariant.py::test_a_tp_size_that_does_not_divide_the_width_is_refused"
     "$T/test_tp_invariant.py::test_block_gemm_operands_follow_the_device"
     "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
+    "$T/test_tp_invariant_moe.py::test_an_expert_rows_forward_bits_do_not_depend_on_how_many_rows_its_source_sent"
+    "$T/test_tp_invariant_moe.py::test_a_tp1_model_built_with_sequence_parallelism_runs_a_sequence_the_width_does_not_divide"
     "${MOE_AND_QK_NORM[@]}")
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]"
@@ -56,6 +58,7 @@ case $module in
     "$T/test_tp_invariant.py::test_releases_before_the_verified_one_are_refused_naming_both"
     "$T/test_tp_invariant.py::test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracle"
     "$T/test_layout_refusals.py"
+    "$T/test_tp_invariant_attention.py::test_a_tp1_models_norm_uses_its_own_tp_group_not_the_trainers"
     "${MOE_AND_QK_NORM[@]}")
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
@@ -146,6 +149,8 @@ case $module in
     "$T/test_cross_rank.py") ;;
   patches/logits_fp32_rl_logprobs.py|patches/tp_invariant_rl_logprobs.py|patches/tp_invariant_rl_refit.py) tests=(
     "$T/test_train_rl.py") ;;
+  patches/tp_invariant_attention.py|patches/tp_invariant_engine_attention.py|megapatch/numerics/attention.py) tests=(
+    "$T/test_tp_invariant_attention.py") ;;
   patches/logits_fp32_inference.py) tests=(
     "$T/test_logits_fp32_inference.py::test_the_pipeline_forward_returns_the_models_fp32_logits_of_every_micro_batch_in_order"
     "$T/test_logits_fp32_inference.py::test_the_logits_broadcast_is_asked_for_fp32_with_every_other_argument_passed_on"

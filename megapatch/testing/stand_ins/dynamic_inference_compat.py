@@ -11,8 +11,10 @@ The stand-ins honour their contract -- causal attention, aligned to the end of e
 key/value history, read from the paged cache through the block table, output in the query dtype
 -- with the arithmetic of megatron-core's local ``DotProductAttention``: a BF16 (params-dtype)
 Q·Kᵀ scaled by 1/sqrt(d), an FP32 softmax rounded back to the params dtype, and a BF16
-probabilities·V. So a rollout and the training forward run the same attention arithmetic, and
-what separates them is the cache, the query shapes (one token per decode step) and the logits.
+probabilities·V. So a rollout and the training forward run the same attention arithmetic on other
+shapes (one query per decode step, a request's keys so far), which now and then gives a row other
+BF16 bits (tests/test_tp_invariant_attention.py); under ``tp_invariant`` megapatch replaces both with
+one shape-independent arithmetic (``patches/tp_invariant_attention.py``) and this stand-in is not called.
 flash-attn itself accumulates in FP32 with an online softmax: its own rounding is not modelled.
 
 ``python -m megapatch.testing.ranks.dynamic_inference_launch SCRIPT.py ...`` (under torchrun) is the CPU
@@ -36,6 +38,7 @@ from typing import Iterator, Tuple
 
 import torch
 
+from megapatch.numerics.attention import paged_rows
 from megapatch.testing.stand_ins import cpu_compat
 from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
 
@@ -46,17 +49,12 @@ ATTENTION = "megatron.core.transformer.attention"
 DYNAMIC_CONTEXT = "megatron.core.inference.contexts.dynamic_context"
 
 
-def _gather_pages(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` positions of one request's paged cache: [length, heads, dim]."""
-    return cache[blocks.long()].flatten(0, 1)[:length]
-
-
 def paged_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_length: int, blocks: torch.Tensor, scale: float) -> torch.Tensor:
     """One request's attention: ``q`` [q_len, heads, dim] are its last ``q_len`` positions; the
     keys and values are its first ``kv_length`` cached positions (causal, end-aligned)."""
-    k = _gather_pages(k_cache, blocks, kv_length)
-    v = _gather_pages(v_cache, blocks, kv_length)
+    k = paged_rows(k_cache, blocks, kv_length)
+    v = paged_rows(v_cache, blocks, kv_length)
     q_len = q.shape[0]
     if k.shape[1] != q.shape[1]:  # grouped-query attention
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
