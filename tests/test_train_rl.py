@@ -102,6 +102,32 @@ def test_train_rl_with_experts_logs_zero_mismatch_at_trainer_tp2_rollout_tp1_und
     assert len(native_steps) == 3 and all(s["max_inf_train_prob_abs_diff"] > 0 for s in native_steps), native_steps
 
 
+@pytest.mark.slow
+@pytest.mark.resumes
+def test_train_rl_with_expert_parallelism_logs_zero_on_every_rank_at_trainer_tp2_ep2_rollout_tp1_ep1(rl_checkout):
+    """The issue's MoE layout, trainer TP 2 EP 2 / rollout TP 1 EP 1 (4 ranks, hidden 64, groups of 8 so
+    that the rollout's engines sample different group members and the steps train): upstream's refit
+    stops natively ("not found": it names SequentialMLP experts by their local index); under
+    tp_invariant + FP32 logits (tp_invariant.rl_refit, .attention, .engine_attention) every rank logs
+    exactly 0 at every step. Core_v0.16.1 only: main's engine needs CUDA symmetric memory at EP > 1."""
+    from megapatch.testing.scenarios import train_rl
+
+    revision, checkout, root = rl_checkout
+    if revision != "core_v0.16.1":
+        pytest.skip("Megatron-LM main's dynamic engine allocates CUDA symmetric memory at EP > 1")
+    layout = dict(nproc=4, tp=2, rollout_tp=1, moe=True, ep=2, rollout_ep=1, group=8, revision=revision,
+                  timeout=600)
+    native, _ = train_rl.run(checkout, root, megapatch_env={}, name="ep-native", iters=1, **layout)
+    assert native.returncode != 0 and "not found in source model" in native.log, native.tail()
+    job, _ = train_rl.run(checkout, root, megapatch_env=ZERO_MODE, name="ep-zero", iters=3, **layout)
+    assert job.returncode == 0, job.tail()
+    for rank in range(4):
+        steps = train_rl.rank_stats(job, rank)
+        assert [_mismatch(s) for s in steps] == [(0.0, 1.0, 1.0)] * 3, (rank, steps)
+    norms = _grad_norms(job)
+    assert len(norms) == 3 and all(n > 0 for n in norms), norms
+
+
 def _refit_sources(monkeypatch, tp_invariant: bool):
     """For each rollout rank's expert parameters, the global expert index of the trainer parameter
     upstream's refit planner takes as the source -- its own name matching (``assign_resolved_name_inplace``)
