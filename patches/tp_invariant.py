@@ -519,6 +519,16 @@ _REFUSED_CONFIG = {
     "context_parallel_size": (lambda size: (size or 1) > 1, "--context-parallel-size; run 1",
                               "context parallelism splits each sequence's attention over ranks and combines "
                               "their partial softmax results outside the fixed tree"),
+    # issue 39 item 7: upstream's batch-invariant kernels (megatron-core >= 0.16) replace aten mm/addmm,
+    # log_softmax and mean and TE's GEMM and RMSNorm, and need flash attention; the mode replaces those
+    # layers' GEMMs with its FP32 block GEMMs (mm with an FP32 out dtype, not among them), its attention
+    # with torch GEMMs and its TP sums with the fixed tree: on together, neither promise would be kept
+    "batch_invariant_mode": (bool, "--batch-invariant-mode (Megatron-LM main); megatron-core >= 0.16: "
+                             "TransformerConfig.batch_invariant_mode",
+                             "upstream's batch-invariant kernels and the mode replace the same GEMMs, attention "
+                             "and norms with different arithmetic; tp_invariant gives the same bits across "
+                             "layouts (and on CPU across batch shapes), batch_invariant_mode across batch "
+                             "composition at one layout on GPUs -- they do not compose, run one of them"),
 }
 
 

@@ -51,3 +51,12 @@ def test_a_job_at_context_parallel_size_1_is_refused_by_neither(monkeypatch):
 def test_without_the_mode_the_doctor_refuses_no_context_parallel_job(monkeypatch):
     doctor = _flags_survey(monkeypatch, FLAGS + ["--context-parallel-size", "2"])
     assert not doctor["flags"]["refusals"], doctor
+
+
+def test_upstreams_batch_invariant_mode_with_tp_invariant_is_refused_at_construction_naming_the_field():
+    """Issue 39 item 7: megatron-core's ``batch_invariant_mode`` and the mode replace the same GEMMs,
+    attention and norms with different arithmetic; both on is refused when the model is built,
+    naming the config field and Megatron-LM main's flag. Off, nothing is said."""
+    run = _run_refusal(batch_invariant_mode=True)
+    assert run and "batch_invariant_mode=True" in run and "--batch-invariant-mode" in run, run
+    assert _run_refusal(batch_invariant_mode=False) is None
