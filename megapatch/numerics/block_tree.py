@@ -105,8 +105,9 @@ GATED_HALVES = "_megapatch_gated_halves"
 
 def token_blocks(tokens: torch.Tensor, group, split: bool) -> int:
     """Blocks of consecutive sequence positions this rank's tokens ([s, b, h]) form: W, or W/t when
-    sequence parallelism splits the sequence over the TP group. Without it, a sequence W does not
-    divide is one block (the same at every TP size; such a run cannot use sequence parallelism
+    sequence parallelism splits the sequence over the TP group. Without it (or over a TP group of
+    one, where nothing is split: a rollout model at TP 1 keeps the trainer's sequence_parallel), a
+    sequence W does not divide is one block (the same at every TP size; such a run cannot use sequence parallelism
     under the mode, which refuses it, so there is no split run to agree with)."""
     group = group if split else None
     if group_size(group) == 1 and tokens.shape[0] % width():
