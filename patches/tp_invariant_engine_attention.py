@@ -14,7 +14,8 @@ import torch
 from megapatch.core import state
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
-from megapatch.numerics.attention import causal_visible, paged_rows, repeat_groups, row_invariant_attention
+from megapatch.numerics.attention import (by_request, causal_visible, kv_lengths, paged_rows, repeat_groups,
+                                          row_invariant_attention)
 from megapatch.patches._common import tp_invariant_patch
 
 ATTENTION = "megatron.core.transformer.attention"
@@ -39,22 +40,14 @@ def _engine_attention(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     call = {n: argument(args, kwargs, i, n) for i, n in enumerate(names)}
     q, k_cache, v_cache, table = call["q"], call["k"], call["v"], call["block_table"]
-    out = torch.zeros_like(q)
-    if call["is_decode_only"]:  # q [batch, 1, heads, dim]; upstream passes flash-attn no scale here
-        scale = q.shape[-1] ** -0.5
-        for i, length in enumerate(call["seqlens_k"].tolist()):
-            if length > 0:
-                out[i] = _request_rows(q[i], k_cache, v_cache, length, table[i], scale)
-        return out
-    scale = getattr(instance, "softmax_scale", None) or q.shape[-1] ** -0.5  # q [tokens, 1, heads, dim]
-    q_bounds, kv_bounds = call["cu_seqlens_q"].tolist(), call["cu_seqlens_k"].tolist()
-    for i in range(len(q_bounds) - 1):
-        start, end = q_bounds[i], q_bounds[i + 1]
-        if end > start:
-            out[start:end, 0] = _request_rows(q[start:end, 0], k_cache, v_cache,
-                                              kv_bounds[i + 1] - kv_bounds[i], table[i], scale)
-    return out
-
+    if call["is_decode_only"]:  # upstream passes flash-attn no scale here
+        scale, bounds, counts = q.shape[-1] ** -0.5, list(range(q.shape[0] + 1)), call["seqlens_k"].tolist()
+    else:
+        scale = getattr(instance, "softmax_scale", None) or q.shape[-1] ** -0.5
+        bounds, counts = call["cu_seqlens_q"].tolist(), kv_lengths(call["cu_seqlens_k"])
+    # q: [batch, 1, heads, dim] (decode: one query a request) or [tokens, 1, heads, dim] (prefill)
+    return by_request(lambda rows, keys, blocks: _request_rows(rows, k_cache, v_cache, keys, blocks, scale),
+                      q[:, 0], bounds, counts, table).unsqueeze(1)
 
 PATCHES = (
     tp_invariant_patch(

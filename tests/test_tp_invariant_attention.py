@@ -7,6 +7,7 @@ replaces). The end-to-end figure: ``train_rl.py`` with experts at trainer TP 2 E
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -108,7 +109,7 @@ def _engine(q_rows, k, v, lengths, decode: bool):
         else:  # q [tokens, 1, heads, dim], requests one after another
             q = q_rows.transpose(0, 1).reshape(BATCH * rows, 1, HEADS, DIM).contiguous()
             cu_q = torch.arange(0, BATCH * rows + 1, rows, dtype=torch.int32)
-            cu_k = torch.tensor([0, *itertools_accumulate(lengths)], dtype=torch.int32)
+            cu_k = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
             args = (q, k_cache, v_cache, rows, max(lengths), cu_q, cu_k, lengths_t, table, False)
         out = patch._engine_attention(upstream, owner, args, {})
     finally:
@@ -116,12 +117,6 @@ def _engine(q_rows, k, v, lengths, decode: bool):
     if decode:
         return out[:, 0]  # [batch, heads, dim]
     return out[:, 0].view(BATCH, rows, HEADS, DIM).transpose(0, 1)  # [rows, batch, heads, dim]
-
-
-def itertools_accumulate(values):
-    import itertools
-
-    return list(itertools.accumulate(values))
 
 
 def _disagreements(q, k, v):

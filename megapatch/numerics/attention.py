@@ -19,7 +19,8 @@ import torch
 
 from megapatch.numerics.block_tree import MIN_TOKEN_ROWS
 
-__all__ = ["KEY_BLOCK", "causal_visible", "row_invariant_attention", "paged_rows", "repeat_groups"]
+__all__ = ["KEY_BLOCK", "causal_visible", "row_invariant_attention", "paged_rows", "repeat_groups",
+           "by_request", "kv_lengths"]
 
 #: keys are padded to a multiple of this, so a decode step over 55 keys and a training sequence of
 #: 64 reduce over the same 64 terms in the same order
@@ -71,3 +72,22 @@ def paged_rows(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.
 def repeat_groups(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
     """Grouped keys/values repeated to one per query head along ``dim`` (upstream's ``repeat_interleave``)."""
     return t.repeat_interleave(heads // t.shape[dim], dim=dim) if t.shape[dim] != heads else t
+
+
+def kv_lengths(cu_seqlens_k: torch.Tensor) -> list:
+    """Each request's key count from flash-attn's cumulative key lengths."""
+    bounds = cu_seqlens_k.tolist()
+    return [end - start for start, end in zip(bounds, bounds[1:])]
+
+
+def by_request(attend, q: torch.Tensor, q_bounds, kv_counts, table: torch.Tensor) -> torch.Tensor:
+    """A paged attention call taken request by request: ``q`` [tokens, heads, dim] holds the requests'
+    queries one after another (request i: rows ``q_bounds[i]:q_bounds[i + 1]``), each request's rows go
+    through ``attend(rows, its key count, its block-table row)``; rows of no request (padding) and
+    requests without keys stay zero."""
+    out = torch.zeros_like(q)
+    for i, keys in enumerate(kv_counts):
+        start, end = q_bounds[i], q_bounds[i + 1]
+        if end > start and keys > 0:
+            out[start:end] = attend(q[start:end], keys, table[i])
+    return out

@@ -38,7 +38,7 @@ from typing import Iterator, Tuple
 
 import torch
 
-from megapatch.numerics.attention import paged_rows
+from megapatch.numerics.attention import by_request, causal_visible, kv_lengths, paged_rows, repeat_groups
 from megapatch.testing.stand_ins import cpu_compat
 from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
 
@@ -53,18 +53,14 @@ def paged_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_length: int, blocks: torch.Tensor, scale: float) -> torch.Tensor:
     """One request's attention: ``q`` [q_len, heads, dim] are its last ``q_len`` positions; the
     keys and values are its first ``kv_length`` cached positions (causal, end-aligned)."""
-    k = paged_rows(k_cache, blocks, kv_length)
-    v = paged_rows(v_cache, blocks, kv_length)
-    q_len = q.shape[0]
-    if k.shape[1] != q.shape[1]:  # grouped-query attention
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    heads, q_len = q.shape[1], q.shape[0]
+    k = repeat_groups(paged_rows(k_cache, blocks, kv_length), heads, 1)  # grouped-query attention
+    v = repeat_groups(paged_rows(v_cache, blocks, kv_length), heads, 1)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, len, dim]
-    scores = torch.baddbmm(torch.empty(qh.shape[0], q_len, kv_length, dtype=q.dtype),
+    scores = torch.baddbmm(torch.empty(heads, q_len, kv_length, dtype=q.dtype),
                            qh, kh.transpose(1, 2), beta=0.0, alpha=scale)
-    rows = torch.arange(q_len).unsqueeze(1) + (kv_length - q_len)
-    mask = torch.arange(kv_length).unsqueeze(0) > rows
-    probs = scores.float().masked_fill(mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    hidden = ~causal_visible(q_len, kv_length)
+    probs = scores.float().masked_fill(hidden, float("-inf")).softmax(dim=-1).to(q.dtype)
     return torch.bmm(probs, vh).transpose(0, 1)  # [q_len, heads, dim]
 
 
@@ -77,14 +73,8 @@ def _varlen(_original):
         if not causal or block_table is None:
             raise NotImplementedError("CPU stand-in: only the paged causal call of the dynamic engine")
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1] (padding) stay zero
-        q_bounds, kv_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for i in range(len(q_bounds) - 1):
-            start, end = q_bounds[i], q_bounds[i + 1]
-            if end > start:
-                out[start:end] = paged_causal_attention(
-                    q[start:end], k, v, kv_bounds[i + 1] - kv_bounds[i], block_table[i], scale)
-        return out
+        return by_request(lambda rows, keys, blocks: paged_causal_attention(rows, k, v, keys, blocks, scale),
+                          q, cu_seqlens_q.tolist(), kv_lengths(cu_seqlens_k), block_table)
 
     return flash_attn_varlen_func
 
@@ -97,11 +87,12 @@ def _with_kvcache(_original):
         if block_table is None or cache_seqlens is None:
             raise NotImplementedError("CPU stand-in: only the paged call of the dynamic engine")
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        out = torch.zeros_like(q)
-        for i, length in enumerate(cache_seqlens.tolist()):
-            if length > 0:
-                out[i] = paged_causal_attention(q[i], k_cache, v_cache, length, block_table[i], scale)
-        return out
+
+        def attend(rows, keys, blocks):
+            return paged_causal_attention(rows, k_cache, v_cache, keys, blocks, scale)
+
+        return by_request(attend, q[:, 0], list(range(q.shape[0] + 1)), cache_seqlens.tolist(),
+                          block_table).unsqueeze(1)  # q: [batch, 1, heads, dim], one query a request
 
     return flash_attn_with_kvcache
 
