@@ -59,4 +59,5 @@ def test_upstreams_batch_invariant_mode_with_tp_invariant_is_refused_at_construc
     naming the config field and Megatron-LM main's flag. Off, nothing is said."""
     run = _run_refusal(batch_invariant_mode=True)
     assert run and "batch_invariant_mode=True" in run and "--batch-invariant-mode" in run, run
+    assert "tp_invariant was set by" in run, run
     assert _run_refusal(batch_invariant_mode=False) is None
