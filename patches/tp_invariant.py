@@ -84,7 +84,7 @@ import math
 
 import torch
 
-from megapatch.numerics import block_shapes, exact_sum, fp32_output_linear
+from megapatch.numerics import block_shapes, exact_sum, expert_call, fp32_output_linear
 from megapatch.numerics import block_tree as tpi
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
@@ -103,9 +103,7 @@ MOE_LAYER = "megatron.core.transformer.moe.moe_layer"  # imports the router, the
 
 _norm_owner = contextvars.ContextVar("megapatch_tp_invariant_norm_owner", default=None)
 _gated_fc1 = contextvars.ContextVar("megapatch_tp_invariant_gated_fc1", default=None)
-_expert_scale = contextvars.ContextVar("megapatch_tp_invariant_expert_scale", default=None)  # (fc2, probabilities)
 _router_blocks = contextvars.ContextVar("megapatch_tp_invariant_router_blocks", default=None)
-_expert_rows = contextvars.ContextVar("megapatch_tp_invariant_expert_rows", default=None)  # TokenSources
 
 
 _refuse = refuse_tp_invariant
@@ -147,18 +145,13 @@ def _column_forward_impl(wrapped, instance, args, kwargs):
     # logits_dtype="fp32" asks the LM head for its FP32 accumulator, unrounded
     out_dtype = fp32_output_linear.requested_output_dtype()
     return tpi.ColumnParallel.apply(input_, weight, bias, group, allreduce_dgrad, nb, out_dtype, halves, expert,
-                                    _sources(instance))
+                                    expert_call.sources(instance))
 
 
 def _expert_layer(layer) -> bool:
     """A routed expert's linear layer whose TP communication the token dispatcher does
     (``explicit_expert_comm``: with expert TP or expert parallelism)."""
     return bool(getattr(layer, "explicit_expert_comm", False))
-
-
-def _sources(layer):
-    """A routed expert's ``TokenSources`` (None for other layers, or with one data-parallel rank)."""
-    return _expert_rows.get() if getattr(layer, "is_expert", False) else None
 
 
 def _column_init(wrapped, instance, args, kwargs):
@@ -196,11 +189,11 @@ def _row_forward(wrapped, instance, args, kwargs):
     nb = tpi.blocks_per_rank(group)
     tpi.check_divisible(f"{type(instance).__name__} input features",
                         weight.shape[1] * tpi.group_size(group), weight.shape[1], group)
-    scale = _expert_scale.get()
-    if scale is not None and scale[0] is instance:  # an expert's activation times its routing probabilities
-        input_ = tpi.ScaledRows.apply(input_, scale[1], group, nb)
+    scale = expert_call.scale(instance)
+    if scale is not None:  # an expert's activation times its routing probabilities
+        input_ = tpi.ScaledRows.apply(input_, scale, group, nb)
     # an expert's output is summed over expert TP by the token dispatcher: kept on its rank 0
-    output = tpi.RowParallel.apply(input_, weight, group, nb, expert, _sources(instance))
+    output = tpi.RowParallel.apply(input_, weight, group, nb, expert, expert_call.sources(instance))
     if expert and instance.bias is not None:
         _refuse(*_MOE_BIAS)
     split = not expert and bool(getattr(instance, "sequence_parallel", False)) and tpi.group_size(group) > 1
@@ -329,10 +322,9 @@ def _mlp_forward(wrapped, instance, args, kwargs):
             return wrapped(*args, **kwargs)
         # a routed expert: the probabilities scale the activation inside fc2's wrapper, where the
         # sum of their gradient over the features expert TP splits runs in the fixed tree
-        scopes.enter_context(scoped(_expert_scale, (instance.linear_fc2, scale)))
         hidden = argument(args, kwargs, 0, "hidden_states")
         sources = getattr(instance, _SOURCES, None) or _own_sources(hidden.shape[0])
-        scopes.enter_context(scoped(_expert_rows, sources))
+        scopes.enter_context(expert_call.running(expert_call.ExpertCall(instance, scale, sources)))
         rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "per_token_scale")}
         return wrapped(hidden, None, **rest)
 
@@ -399,6 +391,7 @@ _SOURCES = "_megapatch_token_sources"  # on an expert MLP: its rows' TokenSource
 _EXPERTS = "_megapatch_local_experts"  # on a token dispatcher: its layer's local expert MLPs
 _EXPERT_KEY = "_megapatch_expert_key"  # on an expert parameter: (layer, global expert, parameter)
 _RESTORE = "_megapatch_restore"  # on a token dispatcher: the inverse of its EP-major row order
+_PARTITION_DIM = "_megapatch_partition_dim"  # on an expert's fc2 weight: the dim TP splits
 
 
 def _data_parallel():
@@ -486,6 +479,11 @@ def _mark_experts(name: str, module) -> None:
     for i, expert in enumerate(experts.local_experts):
         for j, param in enumerate(expert.parameters()):
             setattr(param, _EXPERT_KEY, (layer, first + i, j))
+        fc2 = getattr(getattr(expert, "linear_fc2", None), "weight", None)
+        if fc2 is not None and getattr(fc2, "tensor_model_parallel", False):
+            # TE marks a routed expert's fc2 weight with partition_dim 0 (TE runs it with
+            # parallel_mode=None and marks every linear but "row" so); it holds input features
+            setattr(fc2, _PARTITION_DIM, 1)
 
 
 # -- refusals at model and optimizer construction -------------------------------------------------
@@ -836,7 +834,8 @@ def _invariant_grad_norm(owner, stats_group) -> float:
                 continue
             model = model_of.get(id(param), param)
             grads.append(grad)
-            dims.append(param.partition_dim if getattr(param, "tensor_model_parallel", False) else None)
+            dims.append(getattr(model, _PARTITION_DIM, param.partition_dim)
+                        if getattr(param, "tensor_model_parallel", False) else None)
             halves.append(getattr(model, _GATED, 1))
             keys.append(getattr(model, _EXPERT_KEY, None))
     squares = tpi.squared_norms(grads, dims, tp_group, halves)

@@ -18,11 +18,16 @@ local layers.
   Built from the arguments recorded when the TE module was built under the mode.
 * TE's ``RMSNorm``/``LayerNorm`` (``TENorm``: final and QK norms) are covered by the mode's norm
   handling (``tp_invariant``'s ``_norm_affine``).
+* Routed experts built from TE layers (``TEColumnParallelLinear``/``TERowParallelLinear`` in a
+  ``SequentialMLP``; TE runs them with ``parallel_mode=None`` where the token dispatcher does their
+  TP communication): the local experts' arithmetic, read from the running expert call
+  (``numerics.expert_call``: fc2's input scaled by the routing probabilities in the fixed tree, each
+  source rank's rows one block, the expert-TP group megatron-core gives the layer).
 
 Refused under the mode, when the model is built (and by ``megapatch doctor`` from the flags), naming
-the flag: TE expert layers (``--num-experts`` with TE layers; the local spec's experts are covered),
-a duplicated ``TELinear`` or one without a TP mode, ``return_layernorm_output``, FP8/FP4,
-communication overlap (``--tp-comm-overlap``), ``--delay-wgrad-compute``, TE's activation kernels
+the flag: grouped-GEMM experts (``--moe-grouped-gemm``, refused by ``tp_invariant.moe``), expert
+biases, a duplicated ``TELinear``, ``return_layernorm_output``, FP8/FP4, communication overlap
+(``--tp-comm-overlap``), ``--delay-wgrad-compute``, TE's activation kernels
 (``--use-te-activation-func``, refused by ``tp_invariant``).
 """
 
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
-from megapatch.numerics import fp32_output_linear
+from megapatch.numerics import expert_call, fp32_output_linear
 from megapatch.numerics import block_tree as tpi
 from megapatch.patches._common import MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant, tp_invariant_patch
 
@@ -61,18 +66,14 @@ def _refuse(what: str, why: str):
     refuse_tp_invariant(what, why)
 
 
-_TE_EXPERTS = ("Transformer Engine expert layers (--num-experts with --transformer-impl transformer_engine)",
-               f"the mode covers the local spec's experts (SequentialMLP); {_LOCAL}")
-
-
-def te_refusals(config, experts: bool) -> list:
-    """``[(what, why), ...]`` for a model built from TE layers (``experts``: with TE expert layers)."""
+def te_refusals(config) -> list:
+    """``[(what, why), ...]`` for a model built from TE layers."""
     found = []
     for field, (refused, flag, why) in _REFUSED_TE_CONFIG.items():
         value = getattr(config, field, None)
         if refused(value):
             found.append((f"{field}={value!r} with Transformer Engine layers (Megatron-LM: {flag})", why))
-    return found + ([_TE_EXPERTS] if experts else [])
+    return found
 
 
 # -- linear layers -----------------------------------------------------------------------------
@@ -83,11 +84,13 @@ def _tp(layer):
     return group, tpi.group_size(group)
 
 
-def _check_linear(layer) -> None:
+def _check_linear(layer, expert: bool = False) -> None:
+    """TE's column- and row-parallel linears, and a routed expert's (whose TP communication the
+    token dispatcher does: TE runs it with ``parallel_mode=None``)."""
     mode = getattr(layer, "parallel_mode", None)
-    if mode not in ("column", "row"):
-        _refuse(f"{type(layer).__qualname__} with parallel_mode={mode!r} (a duplicated or expert TE linear)",
-                f"the mode covers TE's column- and row-parallel linears; {_LOCAL}")
+    if mode not in ("column", "row") and not (expert and mode is None):
+        _refuse(f"{type(layer).__qualname__} with parallel_mode={mode!r} (a duplicated TE linear)",
+                f"the mode covers TE's column- and row-parallel linears and routed experts' linears; {_LOCAL}")
 
 
 def _bias(layer):
@@ -132,11 +135,41 @@ def _row(layer, x):
     return (out + bias if bias is not None else out), None
 
 
+def _expert(layer, x, call):
+    """A routed expert's fc1 or fc2 (``TEColumnParallelLinear``/``TERowParallelLinear`` inside a
+    ``SequentialMLP``) as the mode runs a local expert's: the expert-TP group megatron-core gives the
+    layer, the dispatcher's communication left to the dispatcher (TE's ``parallel_mode=None``: the
+    input gathered and the dgrad summed by it, fc2's output kept on expert-TP rank 0 for its
+    reduce-scatter), fc2's input scaled by the routing probabilities inside the fixed tree, each
+    source rank's rows one block."""
+    _check_linear(layer, expert=True)
+    if _bias(layer) is not None:
+        _refuse("expert biases with Transformer Engine expert layers (Megatron-LM: --disable-bias-linear)",
+                "upstream's expert MLP adds them scaled by the routing probabilities outside the GEMM")
+    group = getattr(layer, "_tp_group", None)  # megatron-core's: the expert-TP group for an expert
+    nb = tpi.blocks_per_rank(group)
+    dispatched = layer.parallel_mode is None  # the token dispatcher gathers and sums over expert TP
+    t = tpi.group_size(group)
+    weight = layer.weight
+    if layer is call.mlp.linear_fc1:
+        halves = getattr(weight, tpi.GATED_HALVES, 1)
+        tpi.check_divisible(f"{type(layer).__name__} expert output features" + (" (each of gate, up)" if halves == 2 else ""),
+                            weight.shape[0] // halves * t, weight.shape[0] // halves, group)
+        out = tpi.ColumnParallel.apply(x, weight, None, group, True, nb, None, halves, dispatched, call.sources)
+        return out, None
+    tpi.check_divisible(f"{type(layer).__name__} expert input features", weight.shape[1] * t, weight.shape[1], group)
+    x = tpi.ScaledRows.apply(x, call.probabilities, group, nb)
+    return tpi.RowParallel.apply(x, weight, group, nb, dispatched, call.sources), None
+
+
 def _linear_forward(wrapped, instance, args, kwargs):
     if not tpi.active():
         return wrapped(*args, **kwargs)
-    _check_linear(instance)
     x = argument(args, kwargs, 0, "x")
+    call = expert_call.of(instance)
+    if call is not None:
+        return _expert(instance, x, call)
+    _check_linear(instance)
     return _column(instance, x) if instance.parallel_mode == "column" else _row(instance, x)
 
 
@@ -229,10 +262,10 @@ def _linear_init(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     if tpi.active():
         config = argument(args, kwargs, 99, "config", None)
-        refusals = te_refusals(config, experts=bool(kwargs.get("is_expert", False))) if config is not None else []
+        refusals = te_refusals(config) if config is not None else []
         if refusals:
             _refuse(*refusals[0])
-        _check_linear(instance)
+        _check_linear(instance, expert=bool(argument(args, kwargs, 99, "is_expert", False)))
     return result
 
 
@@ -240,7 +273,7 @@ def _preflight(config):
     """From a Megatron-LM job's flags (``megapatch doctor``): ``--transformer-impl`` says which layers."""
     if getattr(config, "transformer_impl", "local") != "transformer_engine":
         return None
-    refusals = te_refusals(config, experts=bool(getattr(config, "num_moe_experts", None)))
+    refusals = te_refusals(config)
     return "; ".join(f"does not support {what}: {why}" for what, why in refusals) or None
 
 
@@ -249,8 +282,9 @@ PATCHES = (
         name="tp_invariant.transformer_engine",
         summary="Transformer Engine layers under tp_invariant: TE column/row-parallel linears and the fused "
                 "norm of TELayerNormColumnParallelLinear through the mode's block GEMMs and token tree, "
-                "TEDotProductAttention as megatron-core's local per-head attention (TE parameters and "
-                "checkpoint names kept); TE experts, FP8/FP4, comm overlap refused at construction",
+                "TE routed experts (SequentialMLP) as the local experts, TEDotProductAttention as "
+                "megatron-core's local per-head attention (TE parameters and checkpoint names kept); "
+                "FP8/FP4, comm overlap refused at construction",
         hook=TE,
         package="transformer-engine",  # megatron-core's TE wrappers: nothing to patch without TE
         # run on TE 2.20.2 only (the CPU runtime's release; CI's te stage): elsewhere megapatch warns

@@ -19,9 +19,12 @@ Under ``fp32``, inside an MoE layer:
 ``fp32-accumulate`` keeps its documented meaning here too: partials travel in their own dtype
 (rounded once by the GEMM), each rank sums what it receives in FP32.
 
+Routed experts built from Transformer Engine layers (``TERowParallelLinear`` fc2 in a
+``SequentialMLP``) hand on their FP32 accumulator too (``tp_reduce.transformer_engine``).
+
 Refused at construction under ``fp32`` (what this does not reach): the ``flex`` dispatcher
-(DeepEP/HybridEP kernels sum inside the fused all-to-all) and grouped-GEMM experts (their fc2 is
-not a ``RowParallelLinear``). The router needs nothing: its gating weight is replicated and its
+(DeepEP/HybridEP kernels sum inside the fused all-to-all), grouped-GEMM experts (their fc2 is
+not a ``RowParallelLinear``), shared experts built from TE layers, TE expert biases. The router needs nothing: its gating weight is replicated and its
 input is the TP-reduced hidden state; ``moe_router_dtype='fp32'`` (upstream) composes, making
 the probabilities and so the dispatcher's cast FP32 as well. Aux-loss reductions sum integer
 token counts (exact) and FP32 loss values.
@@ -45,10 +48,10 @@ DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 COVERED_DISPATCHERS = ("allgather", "alltoall")
 
 #: what status, the job-log line and the doctor say this patch covers and leaves out
-COVERAGE = ("routed experts' fc2 partials (SequentialMLP) and shared experts (with or without "
-            "overlap) kept FP32 through the allgather/alltoall dispatchers' reduce-scatter and "
+COVERAGE = ("routed experts' fc2 partials (SequentialMLP, local or TE layers) and shared experts (local "
+            "layers, with or without overlap) kept FP32 through the allgather/alltoall dispatchers' reduce-scatter and "
             "all-to-all and the top-k combine, rounded once at the MoE layer output; refused: "
-            "flex dispatcher, grouped-GEMM experts")
+            "flex dispatcher, grouped-GEMM experts, TE shared experts")
 
 
 def _active() -> bool:
@@ -100,16 +103,32 @@ def _mark(layer) -> None:
         found.append(f"experts of type {type(experts).__qualname__} (Megatron-LM: --moe-grouped-gemm; "
                      f"leave it off): they have no fc2 layer megapatch can keep in FP32")
     for name, module in fc2s:
-        if not isinstance(module, RowParallelLinear):
-            te = "transformer_engine" in type(module).__module__
-            found.append(f"{name} of type {type(module).__qualname__}"
-                         + (" (Transformer Engine; Megatron-LM: --transformer-impl local)" if te else "")
-                         + ": not a megatron-core RowParallelLinear, its partials would be rounded "
-                           "before the dispatcher sums them")
+        if isinstance(module, RowParallelLinear):
+            continue
+        if _te_routed_fc2(name, module):
+            if getattr(module, "use_bias", False):
+                found.append(f"{name}: a Transformer Engine expert fc2 with a bias (Megatron-LM: "
+                             f"--disable-bias-linear): TE fuses it into the GEMM megapatch keeps in FP32")
+            continue
+        te = "transformer_engine" in type(module).__module__
+        found.append(f"{name} of type {type(module).__qualname__}"
+                     + (" (Transformer Engine shared experts; Megatron-LM: --transformer-impl local)" if te else "")
+                     + ": its partials would be rounded before the dispatcher sums them (covered: megatron-core's "
+                       "RowParallelLinear, and TE's TERowParallelLinear as a routed expert's fc2)")
     if found:
         _refuse(found)
     for _, module in fc2s:
         setattr(module, MOE_FP32_SUM, True)
+
+
+def _te_routed_fc2(name: str, module) -> bool:
+    """A routed expert's fc2 built from Transformer Engine (megatron-core's ``TERowParallelLinear`` in
+    a ``SequentialMLP``): TE runs it without a TP reduction, and ``tp_reduce.transformer_engine``
+    hands its FP32 accumulator on when it carries the mark. Shared experts' TE fc2 reduces over TP
+    inside TE, rounded: not covered."""
+    kind = type(module)
+    return (name.startswith("experts.") and kind.__name__ == "TERowParallelLinear"
+            and kind.__module__ == "megatron.core.extensions.transformer_engine")
 
 
 def _moe_init(wrapped, instance, args, kwargs):

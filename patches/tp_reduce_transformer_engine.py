@@ -16,6 +16,10 @@ what is built on them: ``te.TransformerLayer``, megatron-core's ``TELinear`` fam
   set by the wrapped ``<Layer>.forward``), its fprop GEMM returns the FP32 accumulator; the
   reduction above sums it in FP32 and returns it rounded once to the activation dtype (TE adds the
   bias after the reduction, in the activation dtype).
+* a routed MoE expert's fc2 (megatron-core's ``TERowParallelLinear`` in a ``SequentialMLP``, marked
+  by ``tp_reduce.moe``; TE runs it without a TP reduction, the token dispatcher sums): the layer
+  returns its fprop GEMM's FP32 accumulator, for the MoE layer's FP32 sums; TE goes on with a copy
+  rounded to the activation dtype, and its backward receives the gradient cast to that dtype.
 
 Each module imports these helpers by name (``from ..distributed import allreduce``) and
 context-parallel attention imports the same function objects for its CP group: each module's own
@@ -53,7 +57,7 @@ from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurface
 from megapatch.core.registry import Patch, Target
 from megapatch.core.scope import scoped
 from megapatch.numerics.dtypes import LOW_PRECISION
-from megapatch.patches._common import TRANSFORMER_ENGINE_TESTED, reduction_mode
+from megapatch.patches._common import MOE_FP32_SUM, TRANSFORMER_ENGINE_TESTED, reduction_mode
 
 log = logging.getLogger("megapatch")
 
@@ -144,6 +148,37 @@ _row_forward: contextvars.ContextVar[Optional[_RowForward]] = contextvars.Contex
     "megapatch_te_row_forward", default=None)
 
 
+@dataclasses.dataclass
+class _HandedOn:
+    """One forward of a routed expert's fc2 in mode fp32 (marked by ``tp_reduce.moe``: the MoE layer
+    sums the experts' outputs on in FP32 and rounds once): its fprop GEMM's FP32 accumulator, and the
+    rounded copy TE itself goes on with."""
+
+    layer: str
+    accumulator: Optional[torch.Tensor] = None
+    rounded: Optional[torch.Tensor] = None
+    intercepted: int = 0
+
+
+_handed_on: contextvars.ContextVar[Optional[_HandedOn]] = contextvars.ContextVar(
+    "megapatch_te_handed_on", default=None)
+
+
+class _AccumulatorOut(torch.autograd.Function):
+    """Forward: the FP32 accumulator in place of TE's rounded output. Backward: the gradient cast to
+    the activation dtype, into TE's own backward (the contract of Megatron-LM PR #6252, as
+    ``numerics.fp32_output_linear`` keeps it for megatron-core's linears)."""
+
+    @staticmethod
+    def forward(ctx, rounded, accumulator):
+        ctx.dtype = rounded.dtype
+        return accumulator.view_as(rounded)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None  # (autograd would cast it too: it is the rounded output's gradient)
+
+
 # -- layer forward: refusals, and the row-parallel context --------------------------------------
 
 def _layer_forward(layer: Layer):
@@ -152,6 +187,8 @@ def _layer_forward(layer: Layer):
         if mode not in fp32_collectives.MODES:
             return wrapped(*args, **kwargs)
         parallel = _read(instance, layer.parallel_attr)
+        if mode == "fp32" and getattr(instance, MOE_FP32_SUM, False):
+            return _hand_on_accumulator(wrapped, instance, args, kwargs, layer, parallel)
         ctx = None
         if layer.split(parallel) and _read(instance, "tp_size") > 1:
             _refuse_unsupported(instance, layer, mode)
@@ -175,6 +212,31 @@ def _layer_forward(layer: Layer):
 
     forward.__name__ = forward.__qualname__ = f"{layer.cls}_forward"
     return forward
+
+
+def _hand_on_accumulator(wrapped, instance, args, kwargs, layer: Layer, parallel):
+    """A routed expert's fc2 (TE ``Linear``, which sums nothing itself: the token dispatcher does)
+    returns its fprop GEMM's FP32 accumulator, for the MoE layer's FP32 sums."""
+    name = type(instance).__name__
+    if layer.cls != "Linear" or (layer.split(parallel) and _read(instance, "tp_size") > 1):
+        raise UnsupportedConfigurationError(
+            f"megapatch tp_reduce_dtype='fp32': {name} ({layer.cls}, {parallel!r}, tp_size "
+            f"{_read(instance, 'tp_size')}) is marked to hand its FP32 output on to the MoE layer, but "
+            f"it reduces over TP itself. Routed experts' fc2 (TE runs it without a TP reduction) is covered",
+            hint="Use tp_reduce_dtype='fp32-accumulate' or 'native' for this model.")
+    handed = _HandedOn(name)
+    with scoped(_row_forward, None), scoped(_handed_on, handed):
+        result = wrapped(*args, **kwargs)
+    out = result[0] if isinstance(result, (tuple, list)) else result
+    if (handed.intercepted != 1 or out.data_ptr() != handed.rounded.data_ptr()
+            or out.numel() != handed.rounded.numel()):
+        raise UpstreamSurfaceError(
+            f"megapatch tp_reduce_dtype='fp32': {name}.forward (a routed expert's fc2) made "
+            f"{handed.intercepted} recognised fprop GEMM(s) and did not return that GEMM's output as it is: "
+            f"a GEMM-fused bias, FP8 output, or a changed Transformer Engine forward",
+            hint="Use tp_reduce_dtype='fp32-accumulate' or 'native'.")
+    full = _AccumulatorOut.apply(out, handed.accumulator)
+    return (full, *result[1:]) if isinstance(result, (tuple, list)) else full
 
 
 def _refuse_unsupported(instance, layer: Layer, mode: str) -> None:
@@ -235,6 +297,13 @@ def _is_row_fprop(kwargs) -> bool:
 
 
 def _general_gemm(wrapped, instance, args, kwargs):
+    handed = _handed_on.get()
+    if handed is not None and _is_row_fprop(kwargs):
+        result = wrapped(*args, **dict(kwargs, out_dtype=torch.float32))
+        handed.accumulator = result[0]
+        handed.rounded = result[0].to(kwargs["out_dtype"])
+        handed.intercepted += 1
+        return type(result)((handed.rounded, *result[1:]))
     ctx = _row_forward.get()
     if ctx is None or not _is_row_fprop(kwargs):
         return wrapped(*args, **kwargs)

@@ -282,29 +282,45 @@ def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attr
     assert reason is not None and where in reason, reason
 
 
-def test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it():
-    """Transformer Engine expert layers (TERowParallelLinear, TE's grouped linear) and legacy
-    grouped-GEMM experts (no fc2 module): a stand-in layer of each shape, as MoELayer holds them."""
+def test_te_routed_experts_are_marked_and_what_fp32_does_not_reach_is_refused_naming_it():
+    """A routed expert's TE fc2 (TERowParallelLinear in a SequentialMLP: TE sums nothing, the
+    dispatcher does) is marked to hand on its FP32 accumulator (tp_reduce.transformer_engine; run in
+    tests/test_te_runtime.py, CI's te stage); refused: one with a bias (TE fuses it into the GEMM),
+    shared experts' TE fc2 (it reduces over TP inside TE, rounded), legacy grouped-GEMM experts (no
+    fc2 module). Stand-in layers of each shape, as MoELayer holds them."""
     import types
 
     import megapatch
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_reduce_moe
+    from megapatch.patches import _common, tp_reduce_moe
 
     _needs_fp32_reductions()
     config = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
     FakeTELinear = type("TERowParallelLinear", (torch.nn.Linear,), {"__module__": "megatron.core.extensions.transformer_engine"})
-    te_expert = torch.nn.Module()
-    te_expert.linear_fc2 = FakeTELinear(2, 2)
-    sequential = torch.nn.Module()
-    sequential.local_experts = torch.nn.ModuleList([te_expert])
+
+    def experts(bias=False):
+        expert = torch.nn.Module()
+        expert.linear_fc2 = FakeTELinear(2, 2, bias=bias)
+        expert.linear_fc2.use_bias = bias
+        sequential = torch.nn.Module()
+        sequential.local_experts = torch.nn.ModuleList([expert])
+        return sequential
+
+    shared = torch.nn.Module()
+    shared.linear_fc2 = FakeTELinear(2, 2)
     grouped = type("GroupedMLP", (torch.nn.Module,), {})()
     megapatch.enable(tp_reduce_dtype="fp32")
     try:
-        for experts, named in ((sequential, "experts.local_experts.0.linear_fc2 of type TERowParallelLinear "
-                                            "(Transformer Engine; Megatron-LM: --transformer-impl local)"),
-                               (grouped, "experts of type GroupedMLP (Megatron-LM: --moe-grouped-gemm")):
-            layer = types.SimpleNamespace(config=config, experts=experts, shared_experts=None)
+        routed = experts()
+        tp_reduce_moe._mark(types.SimpleNamespace(config=config, experts=routed, shared_experts=None))
+        assert getattr(routed.local_experts[0].linear_fc2, _common.MOE_FP32_SUM, False)
+        for layer, named in (
+                ((experts(bias=True), None), "experts.local_experts.0.linear_fc2: a Transformer Engine expert fc2 "
+                                             "with a bias (Megatron-LM: --disable-bias-linear)"),
+                ((experts(), shared), "shared_experts.linear_fc2 of type TERowParallelLinear (Transformer Engine "
+                                      "shared experts; Megatron-LM: --transformer-impl local)"),
+                ((grouped, None), "experts of type GroupedMLP (Megatron-LM: --moe-grouped-gemm")):
+            layer = types.SimpleNamespace(config=config, experts=layer[0], shared_experts=layer[1])
             with pytest.raises(UnsupportedConfigurationError, match="does not cover this MoE layer") as refused:
                 tp_reduce_moe._mark(layer)
             assert named in str(refused.value), str(refused.value)

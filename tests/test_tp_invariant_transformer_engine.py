@@ -212,3 +212,88 @@ def test_planted_sums_follow_the_fixed_tree_at_every_tp_size(runs, tp):
     assert torch.equal(got["glu_dgrad"], want["glu_dgrad"])
     products = signs((8, 1, 16), 2)[..., None, :] * planted((16, 16), 1)  # [8, 1, out, in]
     assert torch.equal(want["row"], pairwise_tree_bf16(products))
+
+
+# -- TE experts: the Qwen3-MoE-shaped model with TE layers and sequential TE experts ------------------
+
+MOE_TPS, MOE_EPS, MOE_STEPS = (1, 2), (1, 2), 2
+
+
+def _moe_job(ctx, tp):
+    """Per (spec, TP, EP): step 0's logits, expert choices, losses and gradients, then clipped AdamW
+    steps (``moe_tiny.invariant_training``; DP 2 at every layout: world = 2 x TP), under the mode,
+    for megatron-core's TE spec (``TELayerNormColumnParallelLinear``, TE experts in a
+    ``SequentialMLP``: ``TEColumnParallelLinear``/``TERowParallelLinear`` run by TE with
+    ``parallel_mode=None`` at TP or EP > 1) and for the local spec with the same weights."""
+    from megapatch.testing.scenarios import moe_tiny
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+    out = {}
+    with te_cpu_runtime() as calls:
+        for spec in ("te", "local"):
+            before = len(calls)
+            runs = moe_tiny.invariant_training(ctx, [(tp, ep) for ep in MOE_EPS], "alltoall", steps=MOE_STEPS,
+                                               spec=spec)
+            out.update({(spec, t, e): run for (_, t, e), run in (runs or {}).items()})
+            out[("kernels", spec, tp)] = sorted(set(calls[before:]))
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+        from megapatch.testing.ranks.harness import reinit_model_parallel
+
+        reinit_model_parallel(ctx, tp=1)  # every rank: it builds process groups
+        model = moe_tiny.build(moe_tiny.qwen3_moe_config(1), spec="te")
+        expert = model.decoder.layers[0].mlp.experts.local_experts[0]
+        out[("expert types", tp)] = (type(expert.linear_fc1), type(expert.linear_fc2)) == (
+            TEColumnParallelLinear, TERowParallelLinear)
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def moe_runs():
+    found = {}
+    for tp in MOE_TPS:
+        found.update(run_ranks(_moe_job, world_size=2 * tp, tp=1, timeout=900, args=(tp,))[0])
+    return found
+
+
+def _differing(a, b):
+    assert a.keys() == b.keys()
+    return [name for name in a if not torch.equal(a[name], b[name])]
+
+
+MOE_LAYOUTS = [(tp, ep) for tp in MOE_TPS for ep in MOE_EPS]
+
+
+def test_te_experts_are_te_linears_and_no_te_kernel_runs_under_the_mode(moe_runs):
+    assert all(moe_runs[("expert types", tp)] for tp in MOE_TPS)
+    for tp in MOE_TPS:  # the clipping's multi_tensor_scale only: no GEMM, norm or attention kernel
+        assert moe_runs[("kernels", "te", tp)] == ["multi_tensor_scale"], moe_runs[("kernels", "te", tp)]
+
+
+@pytest.mark.parametrize("tp, ep", MOE_LAYOUTS[1:])
+def test_te_moe_logits_routing_losses_gradients_and_steps_are_bit_identical_to_tp1_ep1(moe_runs, tp, ep):
+    base, here = moe_runs[("te", 1, 1)], moe_runs[("te", tp, ep)]
+    assert torch.equal(here["logits"], base["logits"])
+    assert all(torch.equal(a, b) for a, b in zip(here["routing"], base["routing"])) and len(base["routing"]) == 2
+    assert torch.equal(here["losses"], base["losses"])
+    assert sum("local_experts" in name for name in base["grads"]) == 2 * 8 * 2  # every expert's, over EP
+    assert _differing(here["grads"], base["grads"]) == []
+    assert len(base["norms"]) == MOE_STEPS + 1 and here["norms"] == base["norms"]
+    assert _differing(here["params"], base["params"]) == []
+    assert _differing(here["adam"], base["adam"]) == []
+
+
+@pytest.mark.parametrize("tp, ep", MOE_LAYOUTS)
+def test_te_experts_give_the_local_experts_bits_with_the_same_weights(moe_runs, tp, ep):
+    """An independent path: the local spec's experts (ColumnParallelLinear/RowParallelLinear, checked
+    against FP32 oracles in tests/test_tp_invariant_moe.py). The grad norms too: TE marks an expert's
+    fc2 weight with partition dim 0, which the mode's norm must not take (it holds input features)."""
+    from megapatch.testing.scenarios.moe_tiny import local_name
+
+    te, local = moe_runs[("te", tp, ep)], moe_runs[("local", tp, ep)]
+    assert torch.equal(te["logits"], local["logits"])
+    assert torch.equal(te["losses"], local["losses"])
+    assert sorted(local_name(n) for n in te["grads"]) == sorted(local["grads"])
+    assert [n for n, g in te["grads"].items() if not torch.equal(g, local["grads"][local_name(n)])] == []
+    assert te["norms"] == local["norms"]
+    assert [n for n, p in te["params"].items() if not torch.equal(p, local["params"][local_name(n)])] == []

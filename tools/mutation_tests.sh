@@ -235,7 +235,7 @@ case $module in
     "$T/test_moe.py::test_the_dispatcher_wrappers_read_the_expert_outputs_by_position_or_keyword"
     "$T/test_moe.py::test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attribute"
     "$T/test_moe.py::test_status_names_the_moe_paths_covered_and_refused"
-    "$T/test_moe.py::test_experts_whose_fc2_is_not_a_megatron_row_parallel_linear_are_refused_naming_it"
+    "$T/test_moe.py::test_te_routed_experts_are_marked_and_what_fp32_does_not_reach_is_refused_naming_it"
     "$T/test_hardening_engine.py::test_skip_patches_argument_removes_an_installed_patch"
     "$T/test_hardening_engine.py::test_opting_out_every_patch_of_a_requested_option_is_refused"
     "$T/test_moe.py::test_moe_paths_fp32_does_not_reach_are_refused_at_construction_naming_the_flag"

@@ -290,6 +290,16 @@ def gather_tp_logits(logits: torch.Tensor, ctx=None) -> torch.Tensor:
     return _all_gather_cat(logits, -1, _tp_group(ctx))
 
 
+def partition_dim(name: str, param: torch.nn.Parameter) -> int:
+    """The dim TP splits ``param`` along. Transformer Engine marks a routed expert's fc2 weight
+    (``TERowParallelLinear`` run by TE with ``parallel_mode=None``: the token dispatcher does its TP
+    communication) with ``partition_dim`` 0, as it marks every linear that is not ``"row"``; it
+    holds a slice of the input features, as every fc2 weight does."""
+    if name.endswith("linear_fc2.weight"):
+        return 1
+    return param.partition_dim
+
+
 def _gather_param(name: str, tensor: torch.Tensor, param: torch.nn.Parameter, model, group) -> torch.Tensor:
     """The unsharded tensor: gathered along the partition dim; a gated fc1's [gate_r; up_r] rows
     reassembled as [gate; up] (the layout at TP=1)."""
@@ -301,7 +311,7 @@ def _gather_param(name: str, tensor: torch.Tensor, param: torch.nn.Parameter, mo
         return torch.cat([_all_gather_cat(gate, 0, group), _all_gather_cat(up, 0, group)], dim=0)
     if getattr(param, "partition_stride", 1) != 1:
         raise NotImplementedError(f"{name}: partition_stride != 1")
-    return _all_gather_cat(tensor, param.partition_dim, group)
+    return _all_gather_cat(tensor, partition_dim(name, param), group)
 
 
 def gather_full_weights(model: torch.nn.Module, ctx=None) -> Dict[str, torch.Tensor]:

@@ -51,10 +51,39 @@ def qwen3_moe_config(tp: int, dispatcher: str = "alltoall", experts: int = 8, to
     return tiny_gpt_config(tp, **fields)
 
 
-def build(config, seed: int = 1234, vocab: int = VOCAB, seq_len: int = SEQ):
+#: a Transformer Engine spec's parameter name -> the local spec's name of the same weight (the
+#: attention's input norm, which TE fuses into ``linear_qkv``); every other name is the same in both
+TE_TO_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def local_name(name: str) -> str:
+    """The local spec's name of a TE spec's parameter."""
+    for te, local in TE_TO_LOCAL.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def layer_spec(config, spec: str = "local"):
+    """None for the local spec (``build_tiny_gpt``'s default), else megatron-core's Transformer
+    Engine spec (``TELayerNormColumnParallelLinear``, TE experts in a ``SequentialMLP``, TE norms and
+    attention): built inside the TE CPU runtime (``megapatch.testing.stand_ins.te_runtime``)."""
+    if spec == "local":
+        return None
+    if spec != "te":
+        raise ValueError(f"spec={spec!r}: 'local' or 'te'")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                                      qk_layernorm=config.qk_layernorm)
+
+
+def build(config, seed: int = 1234, vocab: int = VOCAB, seq_len: int = SEQ, spec: str = "local"):
     from megapatch.testing.models.tiny_gpt import build_tiny_gpt
 
-    return build_tiny_gpt(config, vocab_size=vocab, seq_len=seq_len, seed=seed, position_embedding_type="rope")
+    return build_tiny_gpt(config, vocab_size=vocab, seq_len=seq_len, seed=seed, position_embedding_type="rope",
+                          layer_spec=layer_spec(config, spec))
 
 
 def _global_expert_name(name: str, first_local_expert: int) -> str:
@@ -70,11 +99,14 @@ def _shard(full: torch.Tensor, param, name: str, gated: bool, rank: int, size: i
     if gated and ".linear_fc1." in f".{name}" and param.partition_dim == 0:  # rank r: [gate_r; up_r]
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-    return full.chunk(size, dim=param.partition_dim)[rank]
+    from megapatch.testing.models.tiny_gpt import partition_dim
+
+    return full.chunk(size, dim=partition_dim(name, param))[rank]
 
 
 def build_full_then_shard(ctx, ep: int, config, seed: int = 1234, vocab: int = VOCAB, seq_len: int = SEQ,
-                          full_weights: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None):
+                          full_weights: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None,
+                          spec: str = "local"):
     """The model at this rank's TP x EP layout holding the weights the TP=1, EP=1 model is built
     with (upstream's CPU initialisation draws expert weights from an expert-parallel RNG stream,
     so a model built at EP=2 would hold other experts): the full model is built first at TP=1,
@@ -91,13 +123,13 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234, vocab: int = V
     reinit_model_parallel(ctx, tp=1)
     full_config = dataclasses.replace(config, tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
                                       sequence_parallel=False)
-    full = {k: v.detach().clone() for k, v in build(full_config, seed, vocab, seq_len).state_dict().items()
+    full = {k: v.detach().clone() for k, v in build(full_config, seed, vocab, seq_len, spec).state_dict().items()
             if not k.endswith("_extra_state")}
     if full_weights is not None:
         full_weights(full)
     etp = config.expert_tensor_parallel_size or tp
     reinit_model_parallel(ctx, tp=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    model = build(config, seed, vocab, seq_len)
+    model = build(config, seed, vocab, seq_len, spec)
     local = config.num_moe_experts // ep
     first = parallel_state.get_expert_model_parallel_rank() * local
     with torch.no_grad():
@@ -183,12 +215,14 @@ def _record_routing(model, ctx) -> list:
 
 
 def moe_forward(ctx, modes: Sequence[str], dispatcher: str = "alltoall", ep: int = 1, batch_seed: int = 5,
-                grads: bool = False, config_overrides: Optional[Dict[str, Any]] = None) -> Optional[dict]:
+                grads: bool = False, config_overrides: Optional[Dict[str, Any]] = None,
+                spec: str = "local") -> Optional[dict]:
     import megapatch
     from megapatch.core.errors import MegapatchError
     from megapatch.testing.models.tiny_gpt import gather_full_grads, gather_tp_logits
 
-    model = build_full_then_shard(ctx, ep, qwen3_moe_config(ctx.tp_size, dispatcher, **(config_overrides or {})))
+    model = build_full_then_shard(ctx, ep, qwen3_moe_config(ctx.tp_size, dispatcher, **(config_overrides or {})),
+                                  spec=spec)
     routing = _record_routing(model, ctx)
     batch = make_batch_for_model(batch_seed)
     results: Dict[str, Any] = {}
@@ -228,13 +262,19 @@ def make_batch_for_model(batch_seed: int = 5):
 
 
 def fp32_reference(ctx, batch_seed: int = 5, dispatcher: str = "alltoall",
-                   config_overrides: Optional[Dict[str, Any]] = None) -> Optional[dict]:
-    """The same weights (the BF16 model's, held in FP32) run in FP32 at TP=1, EP=1: logits and
-    expert choices, the yardstick for every layout and mode."""
+                   config_overrides: Optional[Dict[str, Any]] = None, spec: str = "local") -> Optional[dict]:
+    """The same weights (the BF16 model's, held in FP32) run in FP32 at TP=1, EP=1 in the local
+    spec's layers: logits and expert choices, the yardstick for every layout and mode. ``spec``: the
+    spec the weights are drawn in (a TE model's weights run through the local layers: an independent
+    path)."""
     overrides = config_overrides or {}
-    bf16_model = build(qwen3_moe_config(1, dispatcher, **overrides))
+    bf16_model = build(qwen3_moe_config(1, dispatcher, **overrides), spec=spec)
     model = build(qwen3_moe_config(1, dispatcher, params_dtype=torch.float32, **overrides))
-    model.load_state_dict(bf16_model.state_dict())
+    weights = {local_name(k): v for k, v in bf16_model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or any(not k.endswith("_extra_state") for k in missing):
+        raise ValueError(f"the {spec} model's weights do not fill the FP32 reference: missing {missing}, "
+                         f"unexpected {unexpected}")
     routing = _record_routing(model, ctx)
     batch = make_batch_for_model(batch_seed)
     with torch.no_grad():
@@ -278,7 +318,7 @@ def _over_experts(found: Dict[str, torch.Tensor], local: int) -> Dict[str, torch
 
 def invariant_training(ctx, layouts: Sequence[Tuple[int, int]], dispatcher: str, steps: int = 3,
                        clip: float = 0.05, modes: Sequence[str] = ("tp_invariant",),
-                       config_overrides: Optional[Dict[str, Any]] = None):
+                       config_overrides: Optional[Dict[str, Any]] = None, spec: str = "local"):
     """Per mode and (TP, EP) layout (expert TP = TP; sequence parallelism at TP > 1; DP = the world
     size / TP, each data-parallel rank fed its own batches, gradients reduced as megatron's DDP
     reduces them): step 0's logits, every router's expert choices and the per-token losses of
@@ -300,7 +340,7 @@ def invariant_training(ctx, layouts: Sequence[Tuple[int, int]], dispatcher: str,
             if mode == "tp_invariant":
                 megapatch.enable(tp_invariant=True)
             config = qwen3_moe_config(tp, dispatcher, expert_model_parallel_size=ep, **(config_overrides or {}))
-            model = build_full_then_shard(ctx, ep, config)
+            model = build_full_then_shard(ctx, ep, config, spec=spec)
             local = config.num_moe_experts // ep
             ctx = _megatron_context(ctx)  # the layout build_full_then_shard set up
             dp_rank = parallel_state.get_data_parallel_rank()

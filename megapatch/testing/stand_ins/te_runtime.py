@@ -18,12 +18,19 @@ contracts of ``csrc/extensions/gemm.cpp`` and ``normalization.cpp``):
   the GELU derivative at ``gelu_in`` multiplied into the product (``gelu=True, grad=True``), and
   the bias gradient, the FP32 column sums of ``B`` rounded to the output dtype (``bias=`` with
   ``grad=True``). Returns ``[out, bias_grad, pre_gelu_out, extra_output]`` as the binding does.
+  Operands of two dtypes (BF16 with FP32) are refused, as cuBLASLt refuses them outside FP8.
 * ``tex.layernorm_fwd`` / ``tex.rmsnorm_fwd``: per row, FP32 statistics (mean and 1/sqrt(var +
   eps), or 1/sqrt(mean(x^2) + eps)), returned as FP32 ``mu`` / ``rsigma`` of shape ``(N,)`` (RMSNorm:
   ``mu`` is None), output rounded once to ``otype``, written into ``ln_out`` when given;
   ``zero_centered_gamma`` scales by ``1 + gamma``.
 * ``tex.layernorm_bwd`` / ``tex.rmsnorm_bwd``: ``dx`` from the saved statistics in FP32, ``dgamma``
   (and ``dbeta``) summed over all rows in FP32, each rounded once to its tensor's dtype.
+* Attention (``DotProductAttention`` on its unfused backend, which TE picks here: the runtime reports
+  no cuDNN fused-attention backend, ``tex.get_fused_attn_backend``, and flash-attn is not installed):
+  ``tex.scaled_softmax_forward/backward`` and ``tex.scaled_masked_softmax_forward/backward``
+  (``scaled_masked_softmax.h``: the scaled scores, masked positions set to -10000, softmax in FP32
+  rounded once; backward ``scale * y * (g - sum(g * y))`` in FP32). The GEMMs around them are torch's
+  ``baddbmm``/``bmm``, as on a GPU.
 * The activations LayerNormMLP looks up (``tex.gelu``/``dgelu`` (tanh GELU), ``relu``/``drelu``,
   ``silu``/``dsilu``, ``swiglu``/``dswiglu``, ``geglu``/``dgeglu``, ``reglu``/``dreglu``; gated ones
   apply the activation to the first half of the last dimension and multiply by the second, TE's
@@ -39,12 +46,17 @@ contracts of ``csrc/extensions/gemm.cpp`` and ``normalization.cpp``):
 
 On the way, what is CUDA-only in those modules, replaced for the same scope: ``torch.cuda.is_available``
 (TE's modules refuse to construct without CUDA), ``torch.cuda.current_device`` (allocation device:
-the CPU), ``torch.cuda.is_current_stream_capturing`` (never; and torch's optimizers' own
+the CPU), ``torch.compile`` (``torch._dynamo.config.disable``: compiled functions, such as
+megatron-core's ``jit_fuser`` ones, run eagerly; compiling would query the CUDA device), ``torch.cuda.is_current_stream_capturing`` (never; and torch's optimizers' own
 graph-capture check, which would ask CUDA for its stream; ``torch.accelerator.is_available`` says
 False, so that torch's device-generic code, a DataLoader's pinned memory, stays on the CPU), the cuBLAS workspace
 (``cpp_extensions.gemm.get_cublas_workspace``: an empty CPU buffer), and the ``inp.is_cuda`` check
 of ``TransformerEngineBaseModule.prepare_forward``, answered True for that one input tensor during
-that call. Construct the modules inside the scope with ``device="cpu"``.
+that call; for one ``DotProductAttention.forward``, ``is_cuda`` True for its query, key and value and
+tensors TE creates on ``device="cuda"`` made on the CPU; the device's compute capability (TE's
+``utils._get_device_compute_capability``: ``COMPUTE_CAPABILITY``, an A100-class device without FP8)
+and ``tex.get_cudnn_version`` (``CUDNN_VERSION``), which the backend selection reads. Construct the
+modules inside the scope with ``device="cpu"``.
 
 What it cannot show: cuBLAS's own kernels (their accumulation order, split-K, the epilogues'
 exact arithmetic; the CPU's FP32 sums run in MKL's order), TE's CUDA norm and activation kernels,
@@ -77,7 +89,8 @@ class NotOnCpuRuntime(NotImplementedError):
 def _refuse(what: str) -> NotOnCpuRuntime:
     return NotOnCpuRuntime(
         f"megapatch's CPU runtime for Transformer Engine (a test stand-in for the BF16/FP32 path of "
-        f"te.Linear, te.LayerNormLinear and te.LayerNormMLP) does not implement {what}")
+        f"te.Linear, te.LayerNormLinear, te.LayerNormMLP and DotProductAttention's unfused backend) does not "
+        f"implement {what}")
 
 
 # -- dtypes ---------------------------------------------------------------------------------------
@@ -146,6 +159,9 @@ def generic_gemm(A, transa, B, transb, D, quantizer, output_dtype, bias, bias_ty
         raise _refuse("a GEMM extra_output (the reduce-scatter buffer of comm+GEMM overlap)")
     _no_quantizer(quantizer, kernel)
     A, B = _plain(A, "A", kernel), _plain(B, "B", kernel)
+    if A.dtype != B.dtype:  # cuBLASLt takes mixed operand types for FP8 only
+        raise ValueError(f"generic_gemm with operands of two dtypes (A {A.dtype}, B {B.dtype}): cuBLAS runs "
+                         f"no such GEMM")
     if beta is None:
         beta = 1.0 if accumulate else 0.0
     elif not accumulate and beta != 0.0:
@@ -382,7 +398,60 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
 
 
 #: every tex function the runtime implements, by name
+# -- attention: the unfused backend's softmax ------------------------------------------------------
+
+def scaled_softmax_forward(input, scale):
+    """``softmax(input * scale)`` over the last dim ([b, heads, sq, sk]) in FP32, rounded once to the
+    input's dtype (``scaled_masked_softmax.h``: FP32 accumulation in the warp)."""
+    return torch.softmax(input.float() * scale, dim=-1).to(input.dtype)
+
+
+def scaled_masked_softmax_forward(input, mask, scale):
+    """As :func:`scaled_softmax_forward`, the masked positions (``mask`` true, [b or 1, 1, sq, sk])
+    set to -10000 after scaling, as the kernel sets them (a fully masked row comes out uniform)."""
+    x = (input.float() * scale).masked_fill(mask.bool(), -10000.0)
+    return torch.softmax(x, dim=-1).to(input.dtype)
+
+
+def scaled_softmax_backward(output_grads, softmax_results, scale):
+    """``scale * y * (g - sum(g * y))`` over the last dim in FP32 (the kernel's ``acc_t``), rounded
+    once to the gradient's dtype."""
+    y, g = softmax_results.float(), output_grads.float()
+    gy = g * y
+    return (scale * (gy - y * gy.sum(dim=-1, keepdim=True))).to(output_grads.dtype)
+
+
+scaled_masked_softmax_backward = scaled_softmax_backward  # the same kernel arithmetic: y is 0 where masked
+
+
+# -- attention backend selection ------------------------------------------------------------------
+
+#: what the runtime answers when TE asks for the device's compute capability (attention backend
+#: selection, FP8 support checks): an A100-class device, without FP8 (which the runtime refuses)
+COMPUTE_CAPABILITY = (8, 0)
+#: the cuDNN version reported to TE's attention backend selection: no cuDNN kernel runs here
+CUDNN_VERSION = 90000
+
+
+def get_cudnn_version() -> int:
+    return CUDNN_VERSION
+
+
+def get_fused_attn_backend(*args, **kwargs):
+    """No cuDNN fused-attention backend: TE's ``DotProductAttention`` then takes its unfused backend
+    (``UnfusedDotProductAttention``: torch ``baddbmm``/``bmm`` and softmax), which runs on CPU."""
+    import transformer_engine_torch as tex
+
+    return tex.NVTE_Fused_Attn_Backend.NVTE_No_Backend, "megapatch's TE CPU runtime has no fused attention"
+
+
 KERNELS: Dict[str, Callable] = {
+    "get_cudnn_version": get_cudnn_version,
+    "get_fused_attn_backend": get_fused_attn_backend,
+    "scaled_softmax_forward": scaled_softmax_forward,
+    "scaled_softmax_backward": scaled_softmax_backward,
+    "scaled_masked_softmax_forward": scaled_masked_softmax_forward,
+    "scaled_masked_softmax_backward": scaled_masked_softmax_backward,
     "multi_tensor_adam": multi_tensor_adam,
     "multi_tensor_scale": multi_tensor_scale,
     "multi_tensor_l2norm": multi_tensor_l2norm,
@@ -469,6 +538,36 @@ class _InputCudaCheck(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _AttentionOnCpu(torch.overrides.TorchFunctionMode):
+    """For one ``DotProductAttention.forward``: ``is_cuda`` True for its query, key and value (TE
+    asserts it), and tensors TE creates on ``device="cuda"`` (masks, sequence lengths) or moves with
+    ``.cuda()`` made on the CPU."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.tensors = tensors
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is torch._C.TensorBase.__dict__["is_cuda"]:
+            if args and any(args[0] is t for t in self.tensors):
+                return True
+        elif func is torch.Tensor.cuda:
+            return args[0]
+        elif kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def _attention_on_cpu(original):
+    @functools.wraps(original)
+    def forward(self, query_layer, key_layer, value_layer, *args, **kwargs):
+        with _AttentionOnCpu((query_layer, key_layer, value_layer)):
+            return original(self, query_layer, key_layer, value_layer, *args, **kwargs)
+
+    return forward
+
+
 def _prepare_forward_on_cpu(original):
     @functools.wraps(original)
     def prepare_forward(self, inp, *args, **kwargs):
@@ -520,10 +619,21 @@ class _Runtime:
                 if id(value) in stand_ins and callable(value) and not isinstance(value, type):
                     put(module, name, lambda _o, s=stand_ins[id(value)]: s)
         put(TransformerEngineBaseModule, "prepare_forward", _prepare_forward_on_cpu)
+        from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+            DotProductAttention)
+
+        put(DotProductAttention, "forward", _attention_on_cpu)
+        # TE asks the device's compute capability through this cached helper (every caller)
+        put(te_utils, "_get_device_compute_capability", lambda _o: lambda device=None: COMPUTE_CAPABILITY)
         cpu = torch.device("cpu")
         put(torch.cuda, "is_available", lambda _o: lambda: True)
         put(torch.cuda, "current_device", lambda _o: lambda: cpu)
         put(torch.cuda, "is_current_stream_capturing", lambda _o: lambda: False)
+        # torch.compile (megatron-core's jit_fuser: the router's top-k, ...) asks the CUDA device it is
+        # now told exists for its generator and properties: compiled functions run eagerly instead
+        import torch._dynamo.config as dynamo_config
+
+        put(dynamo_config, "disable", lambda _o: True)
         if hasattr(torch, "accelerator"):
             # only TE is told CUDA is there: torch's device-generic API (a DataLoader's pinned-memory
             # thread, ...) stays on the CPU
