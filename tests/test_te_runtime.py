@@ -742,3 +742,42 @@ def test_fp32_te_experts_make_tp_and_ep_sizes_agree_and_keep_every_expert_choice
 def test_precondition_natively_a_tp_change_flips_expert_choices_of_this_model(moe_runs):
     assert sum(_flips(moe_runs[layout]["native"]["routing"], moe_runs[(1, 1)]["native"]["routing"])
                for layout in MOE_LAYOUTS[1:]) > 0
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_te_dot_product_attention_runs_its_unfused_backend_against_an_fp64_oracle(mask):
+    """TE's DotProductAttention (GQA: 4 heads in 2 groups) on the runtime: forward and backward
+    within BF16 error of plain float64 attention with the groups repeated, position-dependent inputs;
+    the masked softmax kernels are the runtime's (a padding mask: the last 5 tokens of batch 1, queries
+    and keys, as TE reads a [b, 1, 1, s] self-attention mask)."""
+    import transformer_engine.pytorch as te
+
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+    s, b, h, g, d = 24, 2, 4, 2, 8
+    ramp = torch.linspace(-1, 1, s)[:, None, None, None]
+    torch.manual_seed(3)
+    q, k, v = ((torch.randn(s, b, n, d) + ramp * (i + 1)).to(BF16).requires_grad_()
+               for i, n in enumerate((h, g, g)))
+    grad = torch.randn(s, b, h * d).to(BF16)
+    pad = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+    pad[1, ..., -5:] = True
+    with te_cpu_runtime() as calls:
+        attention = te.DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type=mask, attention_dropout=0.0)
+        out = attention(q, k, v, attention_mask=pad if mask == "padding" else None)
+        out.backward(grad)
+    assert {"get_fused_attn_backend", "scaled_masked_softmax_forward", "scaled_masked_softmax_backward"} <= set(calls) \
+        or {"get_fused_attn_backend", "scaled_softmax_forward", "scaled_softmax_backward"} <= set(calls), calls
+
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = torch.einsum("sbhd,tbhd->bhst", qd, kd.repeat_interleave(h // g, 2)) / d ** 0.5
+    hidden = (torch.triu(torch.ones(s, s, dtype=torch.bool), 1) if mask == "causal"
+              else pad.expand(b, 1, s, s))
+    # a padding mask in self-attention pads queries too (TE: their rows give 0): the oracle keeps the rest
+    valid = (~pad[:, 0, 0, :]).t()[..., None].double() if mask == "padding" else torch.ones(s, b, 1).double()
+    want = torch.einsum("bhst,tbhd->sbhd", scores.masked_fill(hidden, float("-inf")).softmax(-1),
+                        vd.repeat_interleave(h // g, 2)).reshape(s, b, h * d) * valid
+    want.backward(grad.double())
+    assert normalized_error(out, want) < 1e-2
+    for got, ref in ((q, qd), (k, kd), (v, vd)):
+        assert normalized_error(got.grad, ref.grad) < 2e-2
