@@ -41,6 +41,17 @@ def runs(tmp_path_factory):
     resumed.update(layouts.experiment(checkout, work, {"MEGAPATCH_TP_INVARIANT": "1"}, [L(tp=4)], probe=probe,
                                       save_at=1, iters=3, global_batch=4, start=start, label="te-sp",
                                       extra=(*QWEN3_TE, "--sequence-parallel"), launcher=("--te",), timeout=900))
+    # a checkpoint trained natively (TE's own kernels through the runtime, TE's attention on its unfused
+    # backend), resumed under the mode at TP 1 and at TP 4 (no conversion: TE's parameter names)
+    native = layouts.experiment(checkout, work, {}, [], probe=probe, base=L(tp=2), save_at=1, iters=3,
+                                global_batch=4, extra=QWEN3_TE, label="te-native", launcher=("--te",),
+                                timeout=900)
+    resumed["native"] = native["full"]
+    from_native = layouts.experiment(checkout, work, {"MEGAPATCH_TP_INVARIANT": "1"}, [L(tp=1), L(tp=4)],
+                                     probe=probe, save_at=1, iters=3, global_batch=4,
+                                     start=native["full"].checkpoint.parent, label="te-from-native",
+                                     extra=QWEN3_TE, launcher=("--te",), timeout=900)
+    resumed.update({f"from-native-{k}": v for k, v in from_native.items()})
     resumed["probes"] = work / "probes"
     return resumed
 
@@ -98,3 +109,24 @@ def test_a_tp_change_on_resume_leaves_every_tensor_and_norm_as_never_stopping(ru
         printed = [float(job.losses[i]) for i in sorted(job.losses)]
         assert printed == pytest.approx(expected, rel=2e-6), (printed, expected)
     assert tp_resume.differences(full.tensors(), resumed.tensors()) == {}
+
+
+def test_a_native_te_checkpoint_resumes_under_the_mode_at_tp1_and_tp4_bit_identically(runs):
+    """Trained natively at TP 2 (TE's GEMMs, norms and unfused attention through the runtime; megapatch
+    off) and saved; resumed under the mode with no conversion at TP 1 and at TP 4, the next two steps
+    give the same per-token losses, grad norms and saved tensors (parameters, FP32 main parameters,
+    Adam moments) at both sizes."""
+    from megapatch.testing.scenarios import tp_resume
+
+    native = runs["native"]
+    assert "Transformer Engine's kernels on CPU: te_runtime" in native.run.log
+    assert "megapatch enabled" not in native.run.log
+    tp1, tp4 = runs["from-native-tp1-dp1-pp1-mbs1"], runs["from-native-tp4-dp1-pp1-mbs1"]
+    assert "tp_invariant.transformer_engine" in tp1.run.log and "tp_invariant.transformer_engine" in tp4.run.log
+    assert sorted(tp1.losses) == sorted(tp4.losses) == [2, 3]
+    assert tp1.exact_norms == tp4.exact_norms and len(tp1.exact_norms) == 2
+    assert (_per_token_losses(runs, "te-from-native-tp1-dp1-pp1-mbs1")
+            == _per_token_losses(runs, "te-from-native-tp4-dp1-pp1-mbs1"))
+    assert tp_resume.differences(tp1.tensors(), tp4.tensors()) == {}
+    # the resumed jobs start from the native weights: iteration 1's parameters are TE-trained ones
+    assert set(tp1.tensors()) == set(native.tensors())

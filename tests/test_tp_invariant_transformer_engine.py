@@ -24,6 +24,7 @@ import torch
 from conftest import te_installed
 from reduction_oracles import pairwise_tree_bf16, planted, signs
 from megapatch.testing import run_ranks
+from megapatch.testing.scenarios import moe_tiny
 
 
 pytestmark = pytest.mark.skipif(
@@ -35,17 +36,7 @@ SHAPE = dict(hidden_size=128, num_attention_heads=16, num_query_groups=4, ffn_hi
              qk_layernorm=True, num_layers=2)
 VOCAB, SEQ = 128, 16
 
-#: a TE-spec parameter name -> the local spec's name of the same weight (the norms TE fuses into the
-#: following linear layer); every other name is the same in both
-TE_TO_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
-
-
-def _local_name(name: str) -> str:
-    for te, local in TE_TO_LOCAL.items():
-        if name.endswith(te):
-            return name[: -len(te)] + local
-    return name
+_local_name = moe_tiny.local_name  # a TE-spec parameter name -> the local spec's name of the same weight
 
 
 def _build(tp: int, sp: bool, spec: str):
@@ -225,7 +216,6 @@ def _moe_job(ctx, tp):
     for megatron-core's TE spec (``TELayerNormColumnParallelLinear``, TE experts in a
     ``SequentialMLP``: ``TEColumnParallelLinear``/``TERowParallelLinear`` run by TE with
     ``parallel_mode=None`` at TP or EP > 1) and for the local spec with the same weights."""
-    from megapatch.testing.scenarios import moe_tiny
     from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
 
     out = {}
@@ -288,8 +278,7 @@ def test_te_experts_give_the_local_experts_bits_with_the_same_weights(moe_runs, 
     """An independent path: the local spec's experts (ColumnParallelLinear/RowParallelLinear, checked
     against FP32 oracles in tests/test_tp_invariant_moe.py). The grad norms too: TE marks an expert's
     fc2 weight with partition dim 0, which the mode's norm must not take (it holds input features)."""
-    from megapatch.testing.scenarios.moe_tiny import local_name
-
+    local_name = moe_tiny.local_name
     te, local = moe_runs[("te", tp, ep)], moe_runs[("local", tp, ep)]
     assert torch.equal(te["logits"], local["logits"])
     assert torch.equal(te["losses"], local["losses"])
