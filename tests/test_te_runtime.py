@@ -781,3 +781,26 @@ def test_te_dot_product_attention_runs_its_unfused_backend_against_an_fp64_oracl
     assert normalized_error(out, want) < 1e-2
     for got, ref in ((q, qd), (k, kd), (v, vd)):
         assert normalized_error(got.grad, ref.grad) < 2e-2
+
+
+def test_the_gpu_checks_te_section_dry_run_passes(tmp_path):
+    """tools/gpu_check.py's te_layers section (TE-spec Llama at TP 1/2/4 natively, under fp32 and under
+    tp_invariant; on a GPU with TE's own kernels) on CPU through the runtime: it cannot rot."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run", "--sections",
+                           "te_layers", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    section = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["te_layers"]
+    assert section["ok"] and "skipped" not in section, section
+    assert {"TELayerNormColumnParallelLinear", "TERowParallelLinear", "TEDotProductAttention"} <= set(section["modules"])
+    rows = {(r["mode"], r["tp"]): r for r in section["rows"]}
+    assert all(rows[("tp_invariant", tp)]["bit_identical_to_tp1"] for tp in (2, 4))
+    assert not rows[("native", 4)]["bit_identical_to_tp1"]  # the check can fail
+    assert set(section["cost_at_tp1"]) == {"native", "fp32", "tp_invariant"}
+    assert "## te_layers: ok" in (tmp_path / "gpu_check.md").read_text()

@@ -29,6 +29,11 @@ section that fails records its error and the others still run):
    weights run in FP32 (FP32 reductions make TP sizes agree; they do not bring BF16 below TP=1's
    BF16 error), and the cost at TP=1 against native: step time (CUDA events, median) and peak memory
    (the reductions' wire cost needs NCCL over several GPUs and is not measured here).
+5. ``te_layers``: a Llama-shaped model from megatron-core's Transformer Engine spec at TP 1/2/4 on the
+   one GPU, natively (TE's own kernels and attention backend), under ``fp32`` and under
+   ``tp_invariant``: bit-identical to TP 1 per mode (required for tp_invariant), KL(TP1||TPN), and step
+   time and peak memory at TP 1 against native TE. Skipped where TE is not installed; its dry run runs
+   in CI's te stage (TE's kernels through the labelled CPU runtime).
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ def _rank_setup(device: str):
     return guard
 
 
-def _llama(tp: int, sizes: dict, device: str, fp32: bool = False, outliers: bool = False):
+def _llama(tp: int, sizes: dict, device: str, fp32: bool = False, outliers: bool = False, te: bool = False):
     import torch
 
     from megapatch.testing import build_tiny_gpt
@@ -156,8 +161,13 @@ def _llama(tp: int, sizes: dict, device: str, fp32: bool = False, outliers: bool
                                     "ffn_hidden_size", "num_layers")}
     if fp32:
         fields.update(params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False)
+    spec = None
+    if te:  # megatron-core's Transformer Engine spec (Megatron-LM's default layers)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
     model = build_tiny_gpt(llama_config(tp, **fields), vocab_size=sizes["vocab"], seq_len=sizes["seq"],
-                           seed=1234, position_embedding_type="rope")
+                           seed=1234, position_embedding_type="rope", layer_spec=spec)
     if outliers:
         from megapatch.commands.demo import _plant_outliers
 
@@ -329,6 +339,95 @@ def fp32_llama(device: str, sizes: dict, timing: dict, start: str) -> dict:
                                              "ffn_hidden_size", "num_layers", "vocab", "seq", "batch")})
 
 
+# --- 5. Transformer Engine layers under each mode -----------------------------------------------------
+
+TE_MODES = ("native", "fp32", "tp_invariant")
+
+
+def _te_rank(ctx, device: str, sizes: dict, timing: dict):
+    with _rank_setup(device):
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            return {"skipped": "Transformer Engine is not installed"} if ctx.rank == 0 else None
+        import megapatch
+        import torch
+
+        from megapatch.testing import reinit_model_parallel
+        from megapatch.testing.models.tiny_gpt import gather_full_grads, gather_tp_logits
+
+        with contextlib.ExitStack() as guard:
+            if device == "cpu":  # the dry run: TE's kernels through the labelled CPU runtime
+                from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+                guard.enter_context(te_cpu_runtime())
+            out = {"runs": {}, "cost": {}}
+            batch = _batch(sizes, device)
+            timed = _batch(dict(sizes, batch=timing["batch"]), device)
+            for tp in TPS:
+                ctx = reinit_model_parallel(ctx, tp=tp)
+                for mode in TE_MODES:
+                    megapatch.enable(**_mode(mode)) if _mode(mode) else megapatch.disable()
+                    model = _llama(tp, sizes, device, te=True)
+                    tokens, position_ids, labels, mask = batch
+                    with torch.no_grad():
+                        logits = model(tokens, position_ids, mask)
+                    loss = model(tokens, position_ids, mask, labels=labels)
+                    loss.float().sum().backward()
+                    out["runs"][(mode, tp)] = dict(logits=gather_tp_logits(logits, ctx).float().cpu(),
+                                                   loss=loss.detach().float().cpu(),
+                                                   grads={k: v.cpu() for k, v in gather_full_grads(model, ctx).items()})
+                    if tp == 1:
+                        if device == "cuda":
+                            torch.cuda.reset_peak_memory_stats()
+                        seconds = _timed_step(model, timed, device, timing)
+                        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+                        out["cost"][mode] = dict(step_s=seconds, peak_bytes=peak)
+                    out.setdefault("modules", sorted({type(m).__name__ for m in model.modules()
+                                                      if type(m).__module__.startswith("megatron.core.extensions")}))
+                    del model
+                    megapatch.disable()
+        return out if ctx.rank == 0 else None
+
+
+def te_layers(device: str, sizes: dict, timing: dict, start: str) -> dict:
+    """A Llama-shaped model built from megatron-core's TE spec (``TELayerNormColumnParallelLinear``,
+    ``TERowParallelLinear``, ``TEDotProductAttention``) at TP 1/2/4 on the one GPU (collectives through
+    the host: the labelled one-GPU stand-in), natively (TE's own kernels and attention backend), under
+    ``fp32`` (TE's GEMMs with FP32 row-parallel accumulators) and under ``tp_invariant`` (TE's
+    parameters, the mode's arithmetic): logits, loss and gradients against TP 1, and the cost of each
+    mode at TP 1 against native TE."""
+    import torch
+
+    from megapatch.testing import run_ranks
+
+    out = run_ranks(_te_rank, world_size=max(TPS), args=(device, sizes, timing), init_megatron=False,
+                    timeout=900, start=start, preload="base", backend="gloo")[0]
+    if "skipped" in out:
+        return dict(ok=True, skipped=out["skipped"])
+    runs, rows = out["runs"], []
+    for mode in TE_MODES:
+        base = runs[(mode, 1)]
+        logp_base = torch.log_softmax(base["logits"], -1)
+        for tp in TPS:
+            here = runs[(mode, tp)]
+            logp = torch.log_softmax(here["logits"], -1)
+            same = (torch.equal(here["logits"], base["logits"]) and torch.equal(here["loss"], base["loss"])
+                    and all(torch.equal(here["grads"][k], base["grads"][k]) for k in base["grads"]))
+            rows.append(dict(mode=mode, tp=tp, kl_vs_tp1=(logp_base.exp() * (logp_base - logp)).sum(-1).mean().item(),
+                             max_abs_dlogit=(here["logits"] - base["logits"]).abs().max().item(),
+                             bit_identical_to_tp1=same))
+    native = out["cost"]["native"]
+    cost = {mode: dict(step_s=c["step_s"], ratio_vs_native=c["step_s"] / native["step_s"], peak_bytes=c["peak_bytes"],
+                       peak_ratio_vs_native=(c["peak_bytes"] / native["peak_bytes"]) if native["peak_bytes"] else None)
+            for mode, c in out["cost"].items()}
+    at = {(r["mode"], r["tp"]): r for r in rows}
+    invariant = all(at[("tp_invariant", tp)]["bit_identical_to_tp1"] for tp in TPS)
+    kl_max = {mode: at[(mode, max(TPS))]["kl_vs_tp1"] for mode in ("native", "fp32")}
+    return dict(ok=invariant and (kl_max["fp32"] < kl_max["native"] or kl_max["native"] == 0), rows=rows,
+                cost_at_tp1=cost, modules=out["modules"], cost_batch=timing["batch"], cost_samples=timing["samples"])
+
+
 # --- report ----------------------------------------------------------------------------------------
 
 
@@ -398,6 +497,21 @@ def markdown(report: dict) -> str:
             for mode, c in section["cost_at_tp1"].items():
                 peak = f"{c['peak_ratio_vs_native']:.3f}" if c["peak_ratio_vs_native"] else "n/a (CPU)"
                 lines.append(f"| {mode} | {c['step_s']:.4f} | {c['ratio_vs_native']:.3f} | {peak} |")
+        elif name == "te_layers" and "skipped" in section:
+            lines.append(f"Skipped: {section['skipped']}.")
+        elif name == "te_layers":
+            lines += [f"TE modules: {', '.join(section['modules'])}. Only tp_invariant promises the same bits at "
+                      "every TP size; fp32 makes TP sizes agree more closely, it does not bring BF16 below TP=1's "
+                      "BF16 error.", "",
+                      "| mode | TP | bit-identical to TP 1 | KL(TP1‖TPN) | max abs dlogit |", "|---|---|---|---|---|"]
+            lines += [f"| {r['mode']} | {r['tp']} | {r['bit_identical_to_tp1']} | {r['kl_vs_tp1']:.3e} | "
+                      f"{r['max_abs_dlogit']:.3e} |" for r in section["rows"]]
+            lines += ["", f"Cost at TP 1 against native TE: one forward and backward of {section['cost_batch']} "
+                      f"sequences, median of {section['cost_samples']} timed steps.", "",
+                      "| mode (TP=1) | step (s) | vs native | peak memory vs native |", "|---|---|---|---|"]
+            for mode, c in section["cost_at_tp1"].items():
+                peak = f"{c['peak_ratio_vs_native']:.3f}" if c["peak_ratio_vs_native"] else "n/a (CPU)"
+                lines.append(f"| {mode} | {c['step_s']:.4f} | {c['ratio_vs_native']:.3f} | {peak} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -414,7 +528,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes (CI)")
     parser.add_argument("--out", default=".", help="directory for gpu_check.json and gpu_check.md")
-    parser.add_argument("--sections", default="block_gemm,batch_invariance,tp_invariant,fp32_llama")
+    parser.add_argument("--sections", default="block_gemm,batch_invariance,tp_invariant,fp32_llama,te_layers")
     parser.add_argument("--start", default=None, help="run_ranks start method (server or spawn)")
     args = parser.parse_args(argv)
     import torch
@@ -431,7 +545,8 @@ def main(argv=None) -> int:
     runners = {"block_gemm": lambda: block_gemm(device, sizes["shapes"]),
                "batch_invariance": lambda: batch_invariance(device, sizes["rows"]),
                "tp_invariant": lambda: tp_invariant(device, sizes["invariant"], args.start),
-               "fp32_llama": lambda: fp32_llama(device, sizes["llama"], sizes["timing"], args.start)}
+               "fp32_llama": lambda: fp32_llama(device, sizes["llama"], sizes["timing"], args.start),
+               "te_layers": lambda: te_layers(device, sizes["invariant"], sizes["timing"], args.start)}
     sections = {}
     command = " ".join(["python", "tools/gpu_check.py", *(argv or sys.argv[1:])])
     for name in args.sections.split(","):
