@@ -84,6 +84,12 @@ def _preflight(config):
     if not getattr(config, "num_moe_experts", None):
         return None
     found = _refusals(config)
+    # from a job's flags only: a built layer is judged by its modules (_mark)
+    if (getattr(config, "transformer_impl", None) == "transformer_engine"
+            and getattr(config, "moe_shared_expert_intermediate_size", None)):
+        found.append("shared experts with Transformer Engine layers (Megatron-LM: --moe-shared-expert-intermediate-size "
+                     "with --transformer-impl transformer_engine; --transformer-impl local covers them): their fc2 "
+                     "reduces over TP inside TE, rounded before the MoE layer's FP32 sum")
     return "; ".join(found) or None
 
 

@@ -1,5 +1,5 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with ``--transformer-impl transformer_engine`` (its default)
-under ``tp_invariant``, on CPU ranks (issue 39 item 4, in part).
+natively and under ``tp_invariant``, on CPU ranks (issue 39 item 4).
 
 TE 2.20.2 is installed; its kernels run on CPU through the labelled stand-in
 ``megapatch.testing.stand_ins.te_runtime`` (the CPU launcher's ``--te``). A Qwen3-shaped model
@@ -7,10 +7,12 @@ TE 2.20.2 is installed; its kernels run on CPU through the labelled stand-in
 ``TERowParallelLinear``, ``TEDotProductAttention``, TE's FusedAdam -- trains at TP 2, saving at
 iteration 1; resumed from that checkpoint at TP 1 and at TP 4 with sequence parallelism, the next two
 steps leave every saved tensor (parameters, FP32 main parameters, Adam moments; TE's parameter names)
-and the full-precision grad norms as the uninterrupted TP 2 run's.
+and the full-precision grad norms as the uninterrupted TP 2 run's. A checkpoint trained natively at
+TP 2 (TE's kernels through the runtime, TE's attention on its unfused backend) resumes under the mode
+with no conversion at TP 1 and at TP 4, bit-identically.
 
-Not here: a natively trained TE checkpoint (TE's attention kernels are not in the CPU runtime, so a
-native or ``fp32`` TE job cannot run on CPU), TE expert layers (refused under the mode), a GPU.
+Not here: TE experts through this script (benchmarks/te_moe_megatron_lm.py; the model-level tests are
+tests/test_tp_invariant_transformer_engine.py and tests/test_te_runtime.py), a GPU.
 """
 
 import pytest

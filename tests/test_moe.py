@@ -441,6 +441,13 @@ def test_the_preflight_names_each_moe_path_fp32_does_not_reach_and_nothing_for_a
     assert both.startswith("moe_token_dispatcher_type='flex' (Megatron-LM: --moe-token-dispatcher-type flex; "
                            "covered: allgather, alltoall)"), both
     assert "; moe_grouped_gemm=True (Megatron-LM: --moe-grouped-gemm; leave it off)" in both, both
+    # shared experts: covered in local layers, refused with TE's (their fc2 reduces inside TE)
+    shared = dict(moe_shared_expert_intermediate_size=64)
+    assert _preflight(config(transformer_impl="local", **shared)) is None
+    assert _preflight(config(transformer_impl="transformer_engine")) is None  # TE routed experts: covered
+    te_shared = _preflight(config(transformer_impl="transformer_engine", **shared))
+    assert te_shared.startswith("shared experts with Transformer Engine layers (Megatron-LM: "
+                                "--moe-shared-expert-intermediate-size with --transformer-impl transformer_engine"), te_shared
 
 
 def test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else():

@@ -29,7 +29,7 @@ USAGE = ("usage: torchrun [torchrun options] -m megapatch.testing.ranks.cpu_laun
          "[script args...]\n  --bridge: a Megatron-Bridge script (its training loop's CUDA stand-ins, "
          "megapatch.testing.stand_ins.bridge_compat; Bridge imported without Transformer Engine)\n"
          "  --te: with Transformer Engine installed, its kernels on CPU (megapatch.testing.stand_ins.te_runtime): "
-         "--transformer-impl transformer_engine under tp_invariant (TE's attention kernels are not in the runtime)")
+         "--transformer-impl transformer_engine in every mode (TE's attention on its unfused backend)")
 
 
 def _banner(script: str, bridge: bool = False, te: bool = False) -> None:
