@@ -153,8 +153,8 @@ def _expert(layer, x, call):
     weight = layer.weight
     if layer is call.mlp.linear_fc1:
         halves = getattr(weight, tpi.GATED_HALVES, 1)
-        tpi.check_divisible(f"{type(layer).__name__} expert output features" + (" (each of gate, up)" if halves == 2 else ""),
-                            weight.shape[0] // halves * t, weight.shape[0] // halves, group)
+        what = f"{type(layer).__name__} expert output features" + (" (each of gate, up)" if halves == 2 else "")
+        tpi.check_divisible(what, weight.shape[0] // halves * t, weight.shape[0] // halves, group)
         out = tpi.ColumnParallel.apply(x, weight, None, group, True, nb, None, halves, dispatched, call.sources)
         return out, None
     tpi.check_divisible(f"{type(layer).__name__} expert input features", weight.shape[1] * t, weight.shape[1], group)

@@ -24,8 +24,8 @@ Routed experts built from Transformer Engine layers (``TERowParallelLinear`` fc2
 
 Refused at construction under ``fp32`` (what this does not reach): the ``flex`` dispatcher
 (DeepEP/HybridEP kernels sum inside the fused all-to-all), grouped-GEMM experts (their fc2 is
-not a ``RowParallelLinear``), shared experts built from TE layers, TE expert biases. The router needs nothing: its gating weight is replicated and its
-input is the TP-reduced hidden state; ``moe_router_dtype='fp32'`` (upstream) composes, making
+not a ``RowParallelLinear``), shared experts built from TE layers, TE expert biases. The router
+needs nothing: its gating weight is replicated and its input is the TP-reduced hidden state; ``moe_router_dtype='fp32'`` (upstream) composes, making
 the probabilities and so the dispatcher's cast FP32 as well. Aux-loss reductions sum integer
 token counts (exact) and FP32 loss values.
 """

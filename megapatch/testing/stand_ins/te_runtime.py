@@ -47,9 +47,10 @@ contracts of ``csrc/extensions/gemm.cpp`` and ``normalization.cpp``):
 On the way, what is CUDA-only in those modules, replaced for the same scope: ``torch.cuda.is_available``
 (TE's modules refuse to construct without CUDA), ``torch.cuda.current_device`` (allocation device:
 the CPU), ``torch.compile`` (``torch._dynamo.config.disable``: compiled functions, such as
-megatron-core's ``jit_fuser`` ones, run eagerly; compiling would query the CUDA device), ``torch.cuda.is_current_stream_capturing`` (never; and torch's optimizers' own
-graph-capture check, which would ask CUDA for its stream; ``torch.accelerator.is_available`` says
-False, so that torch's device-generic code, a DataLoader's pinned memory, stays on the CPU), the cuBLAS workspace
+megatron-core's ``jit_fuser`` ones, run eagerly; compiling would query the CUDA device),
+``torch.cuda.is_current_stream_capturing`` (never; and torch's optimizers' own graph-capture check,
+which would ask CUDA for its stream; ``torch.accelerator.is_available`` says False, so that torch's
+device-generic code, a DataLoader's pinned memory, stays on the CPU), the cuBLAS workspace
 (``cpp_extensions.gemm.get_cublas_workspace``: an empty CPU buffer), and the ``inp.is_cuda`` check
 of ``TransformerEngineBaseModule.prepare_forward``, answered True for that one input tensor during
 that call; for one ``DotProductAttention.forward``, ``is_cuda`` True for its query, key and value and
