@@ -20,11 +20,13 @@ Under ``fp32``, inside an MoE layer:
 (rounded once by the GEMM), each rank sums what it receives in FP32.
 
 Routed experts built from Transformer Engine layers (``TERowParallelLinear`` fc2 in a
-``SequentialMLP``) hand on their FP32 accumulator too (``tp_reduce.transformer_engine``).
+``SequentialMLP``, ``TERowParallelGroupedLinear`` in a ``TEGroupedMLP``: ``--moe-grouped-gemm``)
+hand on their FP32 accumulator too (``tp_reduce.transformer_engine``).
 
 Refused at construction under ``fp32`` (what this does not reach): the ``flex`` dispatcher
-(DeepEP/HybridEP kernels sum inside the fused all-to-all), grouped-GEMM experts (their fc2 is
-not a ``RowParallelLinear``), shared experts built from TE layers, TE expert biases. The router
+(DeepEP/HybridEP kernels sum inside the fused all-to-all), grouped-GEMM experts without TE (the
+``grouped_gemm`` package's ``GroupedMLP`` has no fc2 module), shared experts built from TE layers, TE
+expert biases. The router
 needs nothing: its gating weight is replicated and its input is the TP-reduced hidden state; ``moe_router_dtype='fp32'`` (upstream) composes, making
 the probabilities and so the dispatcher's cast FP32 as well. Aux-loss reductions sum integer
 token counts (exact) and FP32 loss values.
@@ -48,10 +50,10 @@ DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 COVERED_DISPATCHERS = ("allgather", "alltoall")
 
 #: what status, the job-log line and the doctor say this patch covers and leaves out
-COVERAGE = ("routed experts' fc2 partials (SequentialMLP, local or TE layers) and shared experts (local "
-            "layers, with or without overlap) kept FP32 through the allgather/alltoall dispatchers' reduce-scatter and "
-            "all-to-all and the top-k combine, rounded once at the MoE layer output; refused: "
-            "flex dispatcher, grouped-GEMM experts, TE shared experts")
+COVERAGE = ("routed experts' fc2 partials (SequentialMLP, local or TE layers; TE's grouped GEMM) and shared "
+            "experts (local layers, with or without overlap) kept FP32 through the allgather/alltoall dispatchers' "
+            "reduce-scatter and all-to-all and the top-k combine, rounded once at the MoE layer output; refused: "
+            "flex dispatcher, grouped-GEMM experts without TE, TE shared experts")
 
 
 def _active() -> bool:
@@ -66,10 +68,8 @@ def _refusals(config) -> list:
             f"moe_token_dispatcher_type={dispatcher!r} (Megatron-LM: --moe-token-dispatcher-type "
             f"{dispatcher}; covered: {', '.join(COVERED_DISPATCHERS)}): its fused all-to-all sums the "
             f"experts' outputs where megapatch cannot keep them FP32")
-    if getattr(config, "moe_grouped_gemm", False):
-        found.append("moe_grouped_gemm=True (Megatron-LM: --moe-grouped-gemm; leave it off): grouped-GEMM "
-                     "experts' fc2 is not a RowParallelLinear, so its partials would be rounded to the "
-                     "activation dtype before the dispatcher sums them")
+    if getattr(config, "moe_grouped_gemm", False) and getattr(config, "transformer_impl", None) == "local":
+        found.append(_LEGACY_GROUPED)  # (a built layer is judged by its experts' type: _mark)
     return found
 
 
@@ -85,8 +85,10 @@ def _preflight(config):
         return None
     found = _refusals(config)
     # from a job's flags only: a built layer is judged by its modules (_mark)
-    if (getattr(config, "transformer_impl", None) == "transformer_engine"
-            and getattr(config, "moe_shared_expert_intermediate_size", None)):
+    te = getattr(config, "transformer_impl", None) == "transformer_engine"
+    if getattr(config, "moe_grouped_gemm", False) and not te and _LEGACY_GROUPED not in found:
+        found.append(_LEGACY_GROUPED)
+    if te and getattr(config, "moe_shared_expert_intermediate_size", None):
         found.append("shared experts with Transformer Engine layers (Megatron-LM: --moe-shared-expert-intermediate-size "
                      "with --transformer-impl transformer_engine; --transformer-impl local covers them): their fc2 "
                      "reduces over TP inside TE, rounded before the MoE layer's FP32 sum")
@@ -106,8 +108,7 @@ def _mark(layer) -> None:
             for name, module in getattr(layer, part).named_modules(prefix="") if name.endswith("linear_fc2")]
     experts = getattr(layer, "experts", None)
     if experts is not None and not any(name.startswith("experts.") for name, _ in fc2s):
-        found.append(f"experts of type {type(experts).__qualname__} (Megatron-LM: --moe-grouped-gemm; "
-                     f"leave it off): they have no fc2 layer megapatch can keep in FP32")
+        found.append(f"experts of type {type(experts).__qualname__}: {_LEGACY_GROUPED}")
     for name, module in fc2s:
         if isinstance(module, RowParallelLinear):
             continue
@@ -127,13 +128,19 @@ def _mark(layer) -> None:
         setattr(module, MOE_FP32_SUM, True)
 
 
+_LEGACY_GROUPED = ("grouped-GEMM experts without Transformer Engine (Megatron-LM: --moe-grouped-gemm with "
+                   "--transformer-impl local, the grouped_gemm package's GroupedMLP; TE's grouped experts, "
+                   "--transformer-impl transformer_engine, are covered): they have no fc2 layer megapatch can "
+                   "keep in FP32")
+
+
 def _te_routed_fc2(name: str, module) -> bool:
     """A routed expert's fc2 built from Transformer Engine (megatron-core's ``TERowParallelLinear`` in
-    a ``SequentialMLP``): TE runs it without a TP reduction, and ``tp_reduce.transformer_engine``
-    hands its FP32 accumulator on when it carries the mark. Shared experts' TE fc2 reduces over TP
-    inside TE, rounded: not covered."""
+    a ``SequentialMLP``, or ``TERowParallelGroupedLinear`` in a ``TEGroupedMLP``): TE runs it without
+    a TP reduction, and ``tp_reduce.transformer_engine`` hands its FP32 accumulator on when it carries
+    the mark. Shared experts' TE fc2 reduces over TP inside TE, rounded: not covered."""
     kind = type(module)
-    return (name.startswith("experts.") and kind.__name__ == "TERowParallelLinear"
+    return (name.startswith("experts.") and kind.__name__ in ("TERowParallelLinear", "TERowParallelGroupedLinear")
             and kind.__module__ == "megatron.core.extensions.transformer_engine")
 
 

@@ -16,9 +16,10 @@ what is built on them: ``te.TransformerLayer``, megatron-core's ``TELinear`` fam
   set by the wrapped ``<Layer>.forward``), its fprop GEMM returns the FP32 accumulator; the
   reduction above sums it in FP32 and returns it rounded once to the activation dtype (TE adds the
   bias after the reduction, in the activation dtype).
-* a routed MoE expert's fc2 (megatron-core's ``TERowParallelLinear`` in a ``SequentialMLP``, marked
-  by ``tp_reduce.moe``; TE runs it without a TP reduction, the token dispatcher sums): the layer
-  returns its fprop GEMM's FP32 accumulator, for the MoE layer's FP32 sums; TE goes on with a copy
+* a routed MoE expert's fc2 (megatron-core's ``TERowParallelLinear`` in a ``SequentialMLP``, or the
+  ``GroupedLinear`` of grouped-GEMM experts, ``TEGroupedMLP``; marked by ``tp_reduce.moe``; TE runs it
+  without a TP reduction, the token dispatcher sums): the layer returns its fprop GEMM's (or grouped
+  GEMM's) FP32 accumulator, for the MoE layer's FP32 sums; TE goes on with a copy
   rounded to the activation dtype, and its backward receives the gradient cast to that dtype.
 
 Each module imports these helpers by name (``from ..distributed import allreduce``) and
@@ -66,6 +67,7 @@ LINEAR = f"{TE}.module.linear"
 LAYERNORM_LINEAR = f"{TE}.module.layernorm_linear"
 LAYERNORM_MLP = f"{TE}.module.layernorm_mlp"
 FUSER = f"{TE}.ops.fuser"
+GROUPED_LINEAR = f"{TE}.module.grouped_linear"  # no TP communication: routed experts' fc2 (fp32) only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,11 +216,21 @@ def _layer_forward(layer: Layer):
     return forward
 
 
-def _hand_on_accumulator(wrapped, instance, args, kwargs, layer: Layer, parallel):
-    """A routed expert's fc2 (TE ``Linear``, which sums nothing itself: the token dispatcher does)
-    returns its fprop GEMM's FP32 accumulator, for the MoE layer's FP32 sums."""
+def _grouped_forward(wrapped, instance, args, kwargs):
+    """``GroupedLinear.forward``: grouped-GEMM experts' fc2 (``TEGroupedMLP``) hands its FP32
+    accumulators on under fp32 when ``tp_reduce.moe`` marked it; otherwise untouched (a grouped
+    linear does no TP communication: the token dispatcher does)."""
+    if state.current().tp_reduce_dtype != "fp32" or not getattr(instance, MOE_FP32_SUM, False):
+        return wrapped(*args, **kwargs)
+    return _hand_on_accumulator(wrapped, instance, args, kwargs, None, None)
+
+
+def _hand_on_accumulator(wrapped, instance, args, kwargs, layer: Optional[Layer], parallel):
+    """A routed expert's fc2 (TE ``Linear``, or ``GroupedLinear`` for grouped-GEMM experts: neither
+    sums anything itself, the token dispatcher does) returns its fprop GEMM's FP32 accumulator, for
+    the MoE layer's FP32 sums."""
     name = type(instance).__name__
-    if layer.cls != "Linear" or (layer.split(parallel) and _read(instance, "tp_size") > 1):
+    if layer is not None and (layer.cls != "Linear" or (layer.split(parallel) and _read(instance, "tp_size") > 1)):
         raise UnsupportedConfigurationError(
             f"megapatch tp_reduce_dtype='fp32': {name} ({layer.cls}, {parallel!r}, tp_size "
             f"{_read(instance, 'tp_size')}) is marked to hand its FP32 output on to the MoE layer, but "
@@ -321,6 +333,36 @@ def _general_gemm(wrapped, instance, args, kwargs):
     ctx.dtype = dtype
     ctx.intercepted += 1
     return result
+
+
+def _is_grouped_fprop(args, kwargs) -> bool:
+    """``GroupedLinear``'s fprop call: ``general_grouped_gemm(weights, inputs, [out], quantizers,
+    dtype, single_output=True, m_splits=..., bias=..., use_bias=..., ...)`` -- layout TN, one
+    low-precision output, no quantizer, no bias, GELU, gradient or accumulation."""
+    out = argument(args, kwargs, 2, "out", None)
+    quantizers = argument(args, kwargs, 3, "quantization_params", None) or ()
+    return (isinstance(out, (list, tuple)) and len(out) == 1 and out[0].dtype in LOW_PRECISION
+            and kwargs.get("single_output") is True and kwargs.get("layout", "TN") == "TN"
+            and not kwargs.get("grad") and not kwargs.get("accumulate") and not kwargs.get("gelu")
+            and not kwargs.get("use_bias") and kwargs.get("D_dtype") is None
+            and all(q is None for q in quantizers))
+
+
+def _general_grouped_gemm(wrapped, instance, args, kwargs):
+    handed = _handed_on.get()
+    if handed is None or not _is_grouped_fprop(args, kwargs):
+        return wrapped(*args, **kwargs)
+    out = argument(args, kwargs, 2, "out")
+    accumulator = torch.empty_like(out[0], dtype=torch.float32)
+    if len(args) > 2:
+        args = (*args[:2], [accumulator], *args[3:])
+    else:
+        kwargs = dict(kwargs, out=[accumulator])
+    result = wrapped(*args, **kwargs)
+    out[0].copy_(accumulator)  # TE goes on with the rounded output
+    handed.accumulator, handed.rounded = accumulator, out[0]
+    handed.intercepted += 1
+    return type(result)((out[0], *result[1:]))
 
 
 def _claim(tensor) -> Optional[_RowForward]:
@@ -491,6 +533,9 @@ def _targets():
         yield Target(layer.module, "symmetric_all_reduce", _symmetric_all_reduce,
                      params=REDUCE_PARAMS["symmetric_all_reduce"], rebind_aliases=False)
     yield Target(FUSER, "OperationFuser.__call__", _fuser_call, kind="method", params=("self", "input"))
+    yield Target(GROUPED_LINEAR, "GroupedLinear.forward", _grouped_forward, kind="method", params=("self", "inp"))
+    yield Target(GROUPED_LINEAR, "general_grouped_gemm", _general_grouped_gemm, params=("A", "B", "out"),
+                 rebind_aliases=False)
 
 
 PATCHES = (

@@ -207,8 +207,9 @@ def _construct(ctx, overrides):
 
 @pytest.mark.parametrize("overrides,named", [
     ({"dispatcher": "flex"}, "--moe-token-dispatcher-type flex"),
-    ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
-], ids=["flex", "grouped-gemm"])
+    # the grouped_gemm package's GroupedMLP (--transformer-impl local); TE's grouped experts are covered
+    ({"moe_grouped_gemm": True, "transformer_impl": "local"}, "--moe-grouped-gemm"),
+], ids=["flex", "grouped-gemm-without-te"])
 def test_moe_paths_fp32_does_not_reach_are_refused_at_construction_naming_the_flag(overrides, named):
     _needs_fp32_reductions()
     message = run_ranks(_construct, world_size=1, tp=1, args=(overrides,))[0]
@@ -285,9 +286,10 @@ def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attr
 def test_te_routed_experts_are_marked_and_what_fp32_does_not_reach_is_refused_naming_it():
     """A routed expert's TE fc2 (TERowParallelLinear in a SequentialMLP: TE sums nothing, the
     dispatcher does) is marked to hand on its FP32 accumulator (tp_reduce.transformer_engine; run in
-    tests/test_te_runtime.py, CI's te stage); refused: one with a bias (TE fuses it into the GEMM),
-    shared experts' TE fc2 (it reduces over TP inside TE, rounded), legacy grouped-GEMM experts (no
-    fc2 module). Stand-in layers of each shape, as MoELayer holds them."""
+    tests/test_te_runtime.py, CI's te stage, with TE's grouped experts too); refused: one with a bias
+    (TE fuses it into the GEMM), shared experts' TE fc2 (it reduces over TP inside TE, rounded),
+    grouped-GEMM experts without TE (no fc2 module). Stand-in layers of each shape, as MoELayer holds
+    them."""
     import types
 
     import megapatch
@@ -319,7 +321,8 @@ def test_te_routed_experts_are_marked_and_what_fp32_does_not_reach_is_refused_na
                                              "with a bias (Megatron-LM: --disable-bias-linear)"),
                 ((experts(), shared), "shared_experts.linear_fc2 of type TERowParallelLinear (Transformer Engine "
                                       "shared experts; Megatron-LM: --transformer-impl local)"),
-                ((grouped, None), "experts of type GroupedMLP (Megatron-LM: --moe-grouped-gemm")):
+                ((grouped, None), "experts of type GroupedMLP: grouped-GEMM experts without Transformer Engine "
+                                  "(Megatron-LM: --moe-grouped-gemm with --transformer-impl local")):
             layer = types.SimpleNamespace(config=config, experts=layer[0], shared_experts=layer[1])
             with pytest.raises(UnsupportedConfigurationError, match="does not cover this MoE layer") as refused:
                 tp_reduce_moe._mark(layer)
@@ -440,7 +443,8 @@ def test_the_preflight_names_each_moe_path_fp32_does_not_reach_and_nothing_for_a
     both = _preflight(config(moe_token_dispatcher_type="flex", moe_grouped_gemm=True))
     assert both.startswith("moe_token_dispatcher_type='flex' (Megatron-LM: --moe-token-dispatcher-type flex; "
                            "covered: allgather, alltoall)"), both
-    assert "; moe_grouped_gemm=True (Megatron-LM: --moe-grouped-gemm; leave it off)" in both, both
+    assert "; grouped-GEMM experts without Transformer Engine (Megatron-LM: --moe-grouped-gemm with " in both, both
+    assert _preflight(config(moe_grouped_gemm=True, transformer_impl="transformer_engine")) is None  # TEGroupedMLP
     # shared experts: covered in local layers, refused with TE's (their fc2 reduces inside TE)
     shared = dict(moe_shared_expert_intermediate_size=64)
     assert _preflight(config(transformer_impl="local", **shared)) is None

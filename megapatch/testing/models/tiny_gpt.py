@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any, Dict, NamedTuple, Optional
 
 import torch
@@ -295,18 +296,26 @@ def partition_dim(name: str, param: torch.nn.Parameter) -> int:
     (``TERowParallelLinear`` run by TE with ``parallel_mode=None``: the token dispatcher does its TP
     communication) with ``partition_dim`` 0, as it marks every linear that is not ``"row"``; it
     holds a slice of the input features, as every fc2 weight does."""
-    if name.endswith("linear_fc2.weight"):
+    if re.search(r"linear_fc2\.weight\d*$", name):  # TE's GroupedLinear: weight0, weight1, ...
         return 1
-    return param.partition_dim
+    return getattr(param, "partition_dim", 0)  # (TE's grouped expert weights carry no TP attributes)
+
+
+def is_tp_sharded(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether each TP rank holds a slice of ``param``: megatron's ``tensor_model_parallel`` mark, or a
+    weight of TE's grouped-GEMM experts (``experts.linear_fc1.weight3``: TE runs them with
+    ``parallel_mode=None`` and gives them no TP attributes; each expert-TP rank holds a slice)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or re.search(
+        r"\.experts\.linear_fc\d\.weight\d+$", name) is not None
 
 
 def _gather_param(name: str, tensor: torch.Tensor, param: torch.nn.Parameter, model, group) -> torch.Tensor:
     """The unsharded tensor: gathered along the partition dim; a gated fc1's [gate_r; up_r] rows
     reassembled as [gate; up] (the layout at TP=1)."""
-    if not getattr(param, "tensor_model_parallel", False):
+    if not is_tp_sharded(name, param):
         return tensor.detach().clone()
     gated = getattr(getattr(model, "config", None), "gated_linear_unit", False)
-    if gated and ".linear_fc1." in f".{name}" and param.partition_dim == 0:  # (partition_stride 2; experts too)
+    if gated and ".linear_fc1." in f".{name}" and partition_dim(name, param) == 0:  # (partition_stride 2; experts too)
         gate, up = tensor.detach().chunk(2, dim=0)
         return torch.cat([_all_gather_cat(gate, 0, group), _all_gather_cat(up, 0, group)], dim=0)
     if getattr(param, "partition_stride", 1) != 1:

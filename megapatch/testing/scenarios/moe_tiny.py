@@ -58,11 +58,13 @@ TE_TO_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.w
 
 
 def local_name(name: str) -> str:
-    """The local spec's name of a TE spec's parameter."""
+    """The local spec's name of a TE spec's parameter (a grouped expert's ``experts.linear_fc1.weight3``:
+    ``experts.local_experts.3.linear_fc1.weight``)."""
     for te, local in TE_TO_LOCAL.items():
         if name.endswith(te):
             return name[: -len(te)] + local
-    return name
+    return re.sub(r"experts\.linear_fc(\d)\.weight(\d+)(?=\.|$)", r"experts.local_experts.\2.linear_fc\1.weight",
+                  name)
 
 
 def layer_spec(config, spec: str = "local"):
@@ -71,37 +73,57 @@ def layer_spec(config, spec: str = "local"):
     attention): built inside the TE CPU runtime (``megapatch.testing.stand_ins.te_runtime``)."""
     if spec == "local":
         return None
-    if spec != "te":
-        raise ValueError(f"spec={spec!r}: 'local' or 'te'")
+    if spec not in SPECS:
+        raise ValueError(f"spec={spec!r}: one of {', '.join(SPECS)}")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                      moe_grouped_gemm=spec == "te-grouped",
                                                       qk_layernorm=config.qk_layernorm)
 
 
+#: ``local``: megatron-core's local layers, sequential experts; ``te``: its Transformer Engine spec with
+#: sequential TE experts; ``te-grouped``: the TE spec with grouped-GEMM experts (``TEGroupedMLP``,
+#: Megatron-LM's ``--moe-grouped-gemm``)
+SPECS = ("local", "te", "te-grouped")
+
+
 def build(config, seed: int = 1234, vocab: int = VOCAB, seq_len: int = SEQ, spec: str = "local"):
+    import dataclasses
+
     from megapatch.testing.models.tiny_gpt import build_tiny_gpt
 
+    if spec == "te-grouped" and not config.moe_grouped_gemm:
+        config = dataclasses.replace(config, moe_grouped_gemm=True)
     return build_tiny_gpt(config, vocab_size=vocab, seq_len=seq_len, seed=seed, position_embedding_type="rope",
                           layer_spec=layer_spec(config, spec))
 
 
 def _global_expert_name(name: str, first_local_expert: int) -> str:
-    match = re.search(r"local_experts\.(\d+)\.", name)
+    # sequential experts: ...experts.local_experts.<i>.linear_fc1.weight; grouped (TE's GroupedLinear):
+    # ...experts.linear_fc1.weight<i>
+    match = re.search(r"local_experts\.(\d+)\.", name) or re.search(r"experts\.linear_fc\d\.weight(\d+)(?=\.|$)", name)
     if match is None:
         return name
     return f"{name[:match.start(1)]}{first_local_expert + int(match.group(1))}{name[match.end(1):]}"
 
 
 def _shard(full: torch.Tensor, param, name: str, gated: bool, rank: int, size: int) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+    """This rank's slice of ``full`` (by shape: TE's grouped expert weights carry no TP attributes)."""
+    if tuple(full.shape) == tuple(param.shape):
         return full
-    if gated and ".linear_fc1." in f".{name}" and param.partition_dim == 0:  # rank r: [gate_r; up_r]
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
     from megapatch.testing.models.tiny_gpt import partition_dim
 
-    return full.chunk(size, dim=partition_dim(name, param))[rank]
+    dim = partition_dim(name, param)
+    if gated and ".linear_fc1." in f".{name}" and dim == 0:  # rank r: [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def is_expert_parameter(name: str) -> bool:
+    """A routed expert's parameter (sequential or grouped experts)."""
+    return "local_experts." in name or re.search(r"\.experts\.linear_fc\d\.", name) is not None
 
 
 def build_full_then_shard(ctx, ep: int, config, seed: int = 1234, vocab: int = VOCAB, seq_len: int = SEQ,
@@ -134,12 +156,27 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234, vocab: int = V
     first = parallel_state.get_expert_model_parallel_rank() * local
     with torch.no_grad():
         for name, param in model.named_parameters():
-            expert = "local_experts." in name
+            expert = is_expert_parameter(name)
             rank = (parallel_state.get_expert_tensor_parallel_rank() if expert
                      else parallel_state.get_tensor_model_parallel_rank())
             source = full[_global_expert_name(name, first)]
             param.copy_(_shard(source, param, name, config.gated_linear_unit, rank, etp if expert else tp))
     return model
+
+
+def weights_of(spec: str, seed: int = 1234, config_overrides: Optional[Dict[str, Any]] = None):
+    """A ``full_weights`` rewrite (:func:`build_full_then_shard`): the weights the ``spec`` model is
+    built with, under the names of the model being built (e.g. the local spec's weights in a
+    ``te-grouped`` model, whose experts draw theirs in another order): the same weights in two specs."""
+    def rewrite(full: Dict[str, torch.Tensor]) -> None:
+        config = qwen3_moe_config(1, **(config_overrides or {}))
+        drawn = {local_name(k): v.detach().clone() for k, v in build(config, seed, spec=spec).state_dict().items()
+                 if not k.endswith("_extra_state")}
+        names = {local_name(k): k for k in full}
+        if drawn.keys() != names.keys():
+            raise ValueError(f"the {spec} model's weights do not fill the model: {sorted(drawn.keys() ^ names.keys())}")
+        full.update({names[k]: v for k, v in drawn.items()})
+    return rewrite
 
 
 def outlier_weights(seed: int, ffn: int):
@@ -318,13 +355,15 @@ def _over_experts(found: Dict[str, torch.Tensor], local: int) -> Dict[str, torch
 
 def invariant_training(ctx, layouts: Sequence[Tuple[int, int]], dispatcher: str, steps: int = 3,
                        clip: float = 0.05, modes: Sequence[str] = ("tp_invariant",),
-                       config_overrides: Optional[Dict[str, Any]] = None, spec: str = "local"):
+                       config_overrides: Optional[Dict[str, Any]] = None, spec: str = "local",
+                       full_weights: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None):
     """Per mode and (TP, EP) layout (expert TP = TP; sequence parallelism at TP > 1; DP = the world
     size / TP, each data-parallel rank fed its own batches, gradients reduced as megatron's DDP
     reduces them): step 0's logits, every router's expert choices and the per-token losses of
     data-parallel rank 0, the unsharded gradients (every expert's, gathered over EP), then ``steps``
     clipped AdamW steps (megatron's BF16 optimizer): their grad norms and the parameters and Adam
-    moments after them. ``tp_invariant``: megapatch's mode; ``native``: megapatch off."""
+    moments after them. ``tp_invariant``: megapatch's mode; ``native``: megapatch off.
+    ``full_weights``: as for :func:`build_full_then_shard`."""
     import megapatch
     from megatron.core import parallel_state
 
@@ -340,7 +379,7 @@ def invariant_training(ctx, layouts: Sequence[Tuple[int, int]], dispatcher: str,
             if mode == "tp_invariant":
                 megapatch.enable(tp_invariant=True)
             config = qwen3_moe_config(tp, dispatcher, expert_model_parallel_size=ep, **(config_overrides or {}))
-            model = build_full_then_shard(ctx, ep, config, spec=spec)
+            model = build_full_then_shard(ctx, ep, config, spec=spec, full_weights=full_weights)
             local = config.num_moe_experts // ep
             ctx = _megatron_context(ctx)  # the layout build_full_then_shard set up
             dp_rank = parallel_state.get_data_parallel_rank()

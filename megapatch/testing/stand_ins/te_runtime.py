@@ -210,6 +210,36 @@ def generic_gemm(A, transa, B, transb, D, quantizer, output_dtype, bias, bias_ty
     return [D, bias_grad, pre_gelu_out, extra_output]
 
 
+def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bias_type, single_output,
+                            pre_gelu_out, grad, workspace, workspace_size, accumulate, use_split_accumulator,
+                            math_sm_count=0):
+    """``GroupedLinear``'s GEMMs (``general_grouped_gemm``): GEMM ``i`` is :func:`generic_gemm` of
+    ``A[i]`` and ``B[i]`` into ``D[i]`` (``single_output``: ``D[0]`` cut into ``m_splits`` rows), with
+    its bias (forward) or bias gradient (``grad``: written into ``bias[i]``) where ``bias[i]`` is not
+    empty; a GEMM with an empty operand (an expert that received no token) zeroes its output unless
+    it accumulates, as the binding does. Returns ``bias``."""
+    kernel = "te_general_grouped_gemm"
+    if any(t.numel() for t in pre_gelu_out):
+        raise _refuse(f"{kernel} with a GELU epilogue")
+    outs = D
+    if single_output:
+        outs = list(D[0].split(list(m_splits), dim=0)) if len(A) > 1 else [D[0]]
+    for i in range(len(A)):
+        with_bias = bias[i].numel() > 0
+        if A[i].numel() == 0 or B[i].numel() == 0:
+            if outs[i].numel() and not accumulate:
+                outs[i].zero_()
+            if grad and with_bias:
+                bias[i].zero_()
+            continue
+        _, bias_grad, _, _ = generic_gemm(A[i], transa, B[i], transb, outs[i], None, D_type,
+                                          bias[i] if with_bias else None, bias_type, False, None, grad,
+                                          None, 0, accumulate, use_split_accumulator)
+        if grad and with_bias:
+            bias[i].copy_(bias_grad)
+    return bias
+
+
 # -- norms ----------------------------------------------------------------------------------------
 
 def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
@@ -457,6 +487,7 @@ KERNELS: Dict[str, Callable] = {
     "multi_tensor_scale": multi_tensor_scale,
     "multi_tensor_l2norm": multi_tensor_l2norm,
     "generic_gemm": generic_gemm,
+    "te_general_grouped_gemm": te_general_grouped_gemm,
     "layernorm_fwd": layernorm_fwd,
     "layernorm_bwd": layernorm_bwd,
     "rmsnorm_fwd": rmsnorm_fwd,
@@ -499,9 +530,16 @@ def _refusing(name: str) -> Callable:
 
 
 def _cpu_workspace(device=None, ub=False, grouped_gemm=False):
-    if ub or grouped_gemm:
-        raise _refuse("the Userbuffers / grouped-GEMM cuBLAS workspaces")
+    if ub:
+        raise _refuse("the Userbuffers cuBLAS workspace")
+    if grouped_gemm:  # one per cuBLAS stream: the runtime has one
+        return [torch.empty(0, dtype=torch.uint8)]
     return torch.empty(0, dtype=torch.uint8)
+
+
+#: the streaming multiprocessors the runtime reports (``utils.get_sm_count``: the grouped GEMM's
+#: ``math_sm_count``, which the runtime ignores)
+SM_COUNT = 1
 
 
 def _cpu_empty_tensor() -> torch.Tensor:
@@ -608,6 +646,7 @@ class _Runtime:
                                     else _refusing(name))
         stand_ins[id(gemm.get_cublas_workspace)] = _cpu_workspace
         stand_ins[id(te_utils._empty_tensor)] = _cpu_empty_tensor
+        stand_ins[id(te_utils.get_sm_count)] = lambda: SM_COUNT
         stand_ins[id(jit.bias_gelu_fused)] = bias_gelu_fused
         stand_ins[id(jit.bgrad_dgelu_fused)] = bgrad_dgelu_fused
         # in tex itself, and every name TE bound from it or from these modules (``cpp_extensions``
