@@ -97,3 +97,12 @@ def tp_invariant_verified_upstream():
 tp_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=when("tp_invariant", True),
                                        guarantee=True, supports=MEGATRON_CORE_TP_INVARIANT_TESTED,
                                        probe=tp_invariant_verified_upstream)
+
+
+def tp_invariant_with_te(settings) -> bool:
+    """Under the mode, where Transformer Engine is installed: without it megatron-core's TE wrappers
+    are stand-ins built on a mock (``HAVE_TE = False``), nothing builds TE layers, and there is
+    nothing to wrap (``applies`` of the mode's TE patches)."""
+    import importlib.util
+
+    return settings.tp_invariant is True and importlib.util.find_spec("transformer_engine") is not None

@@ -69,7 +69,7 @@ Refused in this mode (with the reason): QK layernorm on a head count W cannot cu
 ``tp_invariant.transformer_engine`` runs, fused
 bias-activation, fewer KV groups than the TP size, gradient-accumulation fusion, deferred embedding wgrad,
 MoE settings outside the covered set (``_MOE_REFUSED``: expert parallelism with allgather, expert TP other than TP,
-flex dispatcher, grouped GEMM, permute/router fusion, shared-expert gate and overlap, token
+flex dispatcher, grouped GEMM without TE, permute/router fusion, shared-expert gate and overlap, token
 dropping, ...), several distributed-optimizer instances, grad norms over other ranks than TP x PP
 (x DP with the distributed optimizer; expert parameters over EP), and ``tp_reduce_dtype`` other than native
 (this mode already sums in FP32 through its own tree).
@@ -323,7 +323,7 @@ def _mlp_forward(wrapped, instance, args, kwargs):
         # a routed expert: the probabilities scale the activation inside fc2's wrapper, where the
         # sum of their gradient over the features expert TP splits runs in the fixed tree
         hidden = argument(args, kwargs, 0, "hidden_states")
-        sources = getattr(instance, _SOURCES, None) or _own_sources(hidden.shape[0])
+        sources = expert_call.token_sources(instance, hidden.shape[0])
         scopes.enter_context(expert_call.running(expert_call.ExpertCall(instance, scale, sources)))
         rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "per_token_scale")}
         return wrapped(hidden, None, **rest)
@@ -387,27 +387,14 @@ def _per_token_blocks(wrapped, instance, args, kwargs):
 
 # -- mixture of experts: where an expert's tokens come from --------------------------------------
 
-_SOURCES = "_megapatch_token_sources"  # on an expert MLP: its rows' TokenSources (set with EP > 1)
-_EXPERTS = "_megapatch_local_experts"  # on a token dispatcher: its layer's local expert MLPs
+_SOURCES = expert_call.SOURCES  # on an expert MLP (or GroupedExpert): its rows' TokenSources (EP > 1)
+_EXPERTS = "_megapatch_local_experts"  # on a token dispatcher: its layer's local experts (MLPs, GroupedExperts)
 _EXPERT_KEY = "_megapatch_expert_key"  # on an expert parameter: (layer, global expert, parameter)
 _RESTORE = "_megapatch_restore"  # on a token dispatcher: the inverse of its EP-major row order
 _PARTITION_DIM = "_megapatch_partition_dim"  # on an expert's fc2 weight: the dim TP splits
 
 
-def _data_parallel():
-    """``(rank, size, expert-data-parallel group)``. Any size: each source rank's expert weight
-    gradient is a term of the exact data-parallel sum (``block_tree.source_terms``)."""
-    from megatron.core import parallel_state
-
-    return (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-            parallel_state.get_expert_data_parallel_group())
-
-
-def _own_sources(rows: int):
-    """Without expert parallelism an expert sees this data-parallel rank's tokens only: one source
-    (None: one rank)."""
-    rank, size, group = _data_parallel()
-    return None if size == 1 else tpi.TokenSources((rows,), (rank,), group, size)
+_data_parallel = expert_call.data_parallel
 
 
 def _ep_data_parallel_ranks(dispatcher):
@@ -468,22 +455,44 @@ def _alltoall_combine_preprocess(wrapped, instance, args, kwargs):
 
 
 def _mark_experts(name: str, module) -> None:
-    """Link a layer's dispatcher to its local experts, and key each expert parameter by (layer,
-    global expert, parameter) for the grad norm's order across EP ranks."""
+    """Link a layer's dispatcher to its local experts (a ``SequentialMLP``'s expert MLPs, a grouped-GEMM
+    layer's ``GroupedExpert``s), key each expert parameter by (layer, global expert, parameter) for the
+    grad norm's order across EP ranks, and mark the dim TP splits where TE marks it otherwise."""
     experts, dispatcher = getattr(module, "experts", None), getattr(module, "token_dispatcher", None)
-    if experts is None or dispatcher is None or not hasattr(experts, "local_experts"):
+    if experts is None or dispatcher is None:
         return
-    setattr(dispatcher, _EXPERTS, list(experts.local_experts))
+    if hasattr(experts, "local_experts"):
+        local = list(experts.local_experts)
+        params = [list(expert.parameters()) for expert in local]
+        fc2s = [getattr(getattr(expert, "linear_fc2", None), "weight", None) for expert in local]
+        # TE marks a routed expert's fc2 weight with partition_dim 0 (TE runs it with parallel_mode=None
+        # and marks every linear but "row" so); it holds input features
+        fc2s = [w for w in fc2s if w is not None and getattr(w, "tensor_model_parallel", False)]
+    elif type(experts).__name__ == "TEGroupedMLP":  # weight<i> of fc1 and fc2 are expert i's
+        local = expert_call.grouped_experts(experts)
+        params = [[getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")]
+                  for i in range(len(local))]
+        fc2s = [fc2 for _, fc2 in params]  # TE gives them no TP attributes at all (parallel_mode=None)
+        for fc1, _ in params:
+            setattr(fc1, _PARTITION_DIM, 0)
+            if getattr(experts.config, "gated_linear_unit", False):
+                setattr(fc1, _GATED, 2)
+    else:
+        _refuse(f"experts of type {type(experts).__qualname__} ({name}.experts)", _LEGACY_GROUPED)
+    setattr(dispatcher, _EXPERTS, local)
     layer = int(next((p for p in reversed(name.split(".")) if p.isdigit()), 0))
     first = dispatcher.local_expert_indices[0]
-    for i, expert in enumerate(experts.local_experts):
-        for j, param in enumerate(expert.parameters()):
+    for i, expert_params in enumerate(params):
+        for j, param in enumerate(expert_params):
             setattr(param, _EXPERT_KEY, (layer, first + i, j))
-        fc2 = getattr(getattr(expert, "linear_fc2", None), "weight", None)
-        if fc2 is not None and getattr(fc2, "tensor_model_parallel", False):
-            # TE marks a routed expert's fc2 weight with partition_dim 0 (TE runs it with
-            # parallel_mode=None and marks every linear but "row" so); it holds input features
-            setattr(fc2, _PARTITION_DIM, 1)
+    for fc2 in fc2s:
+        setattr(fc2, _PARTITION_DIM, 1)
+
+
+_LEGACY_GROUPED = ("grouped-GEMM experts without Transformer Engine (Megatron-LM: --moe-grouped-gemm with "
+                   "--transformer-impl local, the grouped_gemm package's GroupedMLP; leave it off, or use TE's "
+                   "grouped experts, --transformer-impl transformer_engine)",
+                   "their kernels choose their blocking by the tokens each expert receives")
 
 
 # -- refusals at model and optimizer construction -------------------------------------------------
@@ -544,8 +553,6 @@ _MOE_REFUSED = {
         lambda v: v is not None and v not in ("allgather", "alltoall"),
         "--moe-token-dispatcher-type; covered: allgather, alltoall",
         "its fused all-to-all (DeepEP/HybridEP) combines the experts' outputs inside its kernels"),
-    "moe_grouped_gemm": (bool, "--moe-grouped-gemm; leave it off",
-                         "grouped-GEMM kernels choose their blocking by the tokens each expert receives"),
     "moe_permute_fusion": (bool, "--moe-permute-fusion; leave it off",
                            "Transformer Engine's fused unpermute adds a token's expert outputs in its own order"),
     "moe_router_fusion": (bool, "--moe-router-fusion; leave it off",
@@ -576,10 +583,11 @@ def _moe_coverage() -> str:
     the job-log line), from the refusal table itself."""
     refused = [f"{field} ({flag})" for field, (_, flag, _) in _MOE_REFUSED.items()]
     refused += [_MOE_EP[0], "one expert per EP rank", "expert_tensor_parallel_size other than the TP size",
-                "calculate_per_token_loss with an aux or z loss"]
-    return ("router gating GEMM and top-k per token block, routed experts (SequentialMLP, expert TP = TP) and "
-            "shared experts through the fixed tree, aux and z losses; dispatchers allgather (EP 1) and alltoall "
-            "(any EP, each source rank's tokens one block); bit-identical across TP, EP and data-parallel sizes "
+                "calculate_per_token_loss with an aux or z loss", _LEGACY_GROUPED[0]]
+    return ("router gating GEMM and top-k per token block, routed experts (SequentialMLP, or TE's grouped GEMM: "
+            "TEGroupedMLP; expert TP = TP) and shared experts through the fixed tree, aux and z losses; dispatchers "
+            "allgather (EP 1) and alltoall (any EP, each source rank's tokens one block); bit-identical across TP, "
+            "EP and data-parallel sizes "
             "(each source rank's expert weight gradient a term of the exact data-parallel sum) and micro-batch "
             "sizes (tp_invariant.moe_micro_batch: a micro-batch's sequences one at a time, aux and z losses per "
             "sequence); refused at construction: "
@@ -594,6 +602,8 @@ def _moe_refusals(config, layout=None) -> list:
     if not getattr(config, "num_moe_experts", None):
         return []
     found = [r for r in (_field_refusal(config, field, _MOE_REFUSED) for field in _MOE_REFUSED) if r]
+    if getattr(config, "moe_grouped_gemm", False) and getattr(config, "transformer_impl", None) == "local":
+        found.append(_LEGACY_GROUPED)  # (a built layer is judged by its experts' type: _mark_experts)
     ep, etp = layout or (getattr(config, "expert_model_parallel_size", 1) or 1,
                          getattr(config, "expert_tensor_parallel_size", None))
     if ep > 1 and getattr(config, "moe_token_dispatcher_type", None) == "allgather":
@@ -703,7 +713,8 @@ def _preflight_optimizer(config):
 
 #: Transformer Engine modules the mode runs (tp_invariant.transformer_engine; TE's norms here)
 _TE_COVERED = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
-               "TEDotProductAttention", "RMSNorm", "LayerNorm")
+               "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear", "TEDotProductAttention", "RMSNorm",
+               "LayerNorm")
 
 
 def _transformer_engine(module, name: str) -> bool:
@@ -834,8 +845,10 @@ def _invariant_grad_norm(owner, stats_group) -> float:
                 continue
             model = model_of.get(id(param), param)
             grads.append(grad)
-            dims.append(getattr(model, _PARTITION_DIM, param.partition_dim)
-                        if getattr(param, "tensor_model_parallel", False) else None)
+            dim = getattr(model, _PARTITION_DIM, None)  # (TE's grouped expert weights: no TP attributes)
+            if dim is None and getattr(param, "tensor_model_parallel", False):
+                dim = param.partition_dim
+            dims.append(dim)
             halves.append(getattr(model, _GATED, 1))
             keys.append(getattr(model, _EXPERT_KEY, None))
     squares = tpi.squared_norms(grads, dims, tp_group, halves)

@@ -23,11 +23,16 @@ local layers.
   TP communication): the local experts' arithmetic, read from the running expert call
   (``numerics.expert_call``: fc2's input scaled by the routing probabilities in the fixed tree, each
   source rank's rows one block, the expert-TP group megatron-core gives the layer).
+* Grouped-GEMM experts (``TEGroupedMLP``, ``--moe-grouped-gemm``: one ``TEGroupedLinear`` per fc
+  holding expert ``i``'s weight as ``weight<i>``): upstream's forward run once per local expert on its
+  rows (``tp_invariant.te_grouped_experts``), each ``TEGroupedLinear`` call the block GEMMs of that
+  expert's weight (here), as for sequential experts (a grouped GEMM's blocking depends on every expert's token count; this does not). The
+  weights keep their names; the grad norm takes the dims TP splits (TE gives them no TP attributes).
 
 Refused under the mode, when the model is built (and by ``megapatch doctor`` from the flags), naming
-the flag: grouped-GEMM experts (``--moe-grouped-gemm``, refused by ``tp_invariant.moe``), expert
-biases, a duplicated ``TELinear``, ``return_layernorm_output``, FP8/FP4, communication overlap
-(``--tp-comm-overlap``), ``--delay-wgrad-compute``, TE's activation kernels
+the flag: grouped-GEMM experts without TE (``--moe-grouped-gemm --transformer-impl local``, refused by
+``tp_invariant.moe``), expert biases, a duplicated ``TELinear``, ``return_layernorm_output``, FP8/FP4,
+communication overlap (``--tp-comm-overlap``), ``--delay-wgrad-compute``, TE's activation kernels
 (``--use-te-activation-func``, refused by ``tp_invariant``).
 """
 
@@ -37,7 +42,8 @@ from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
 from megapatch.numerics import expert_call, fp32_output_linear
 from megapatch.numerics import block_tree as tpi
-from megapatch.patches._common import MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant, tp_invariant_patch
+from megapatch.patches._common import (MEGATRON_CORE_TP_INVARIANT_TESTED, refuse_tp_invariant, tp_invariant_patch,
+                                      tp_invariant_with_te)
 
 TE = "megatron.core.extensions.transformer_engine"
 
@@ -52,14 +58,6 @@ _REFUSED_TE_CONFIG = {
     "tp_comm_overlap": (bool, "--tp-comm-overlap", "Userbuffers overlap runs the TP collectives inside TE's GEMMs"),
     "delay_wgrad_compute": (bool, "--delay-wgrad-compute", "the deferred wgrad runs outside the layer"),
 }
-
-
-def _transformer_engine_installed(settings) -> bool:
-    """Under the mode, where TE is installed: without it megatron-core's TE wrappers are stand-ins
-    built on a mock (``HAVE_TE = False``), nothing builds TE layers, and there is nothing to wrap."""
-    import importlib.util
-
-    return settings.tp_invariant is True and importlib.util.find_spec("transformer_engine") is not None
 
 
 def _refuse(what: str, why: str):
@@ -137,20 +135,20 @@ def _row(layer, x):
 
 def _expert(layer, x, call):
     """A routed expert's fc1 or fc2 (``TEColumnParallelLinear``/``TERowParallelLinear`` inside a
-    ``SequentialMLP``) as the mode runs a local expert's: the expert-TP group megatron-core gives the
-    layer, the dispatcher's communication left to the dispatcher (TE's ``parallel_mode=None``: the
-    input gathered and the dgrad summed by it, fc2's output kept on expert-TP rank 0 for its
-    reduce-scatter), fc2's input scaled by the routing probabilities inside the fixed tree, each
-    source rank's rows one block."""
+    ``SequentialMLP``, or expert ``call.index``'s weight of a grouped-GEMM layer's ``TEGroupedLinear``)
+    as the mode runs a local expert's: the expert-TP group megatron-core gives the layer, the
+    dispatcher's communication left to the dispatcher (TE's ``parallel_mode=None``: the input gathered
+    and the dgrad summed by it, fc2's output kept on expert-TP rank 0 for its reduce-scatter), fc2's
+    input scaled by the routing probabilities inside the fixed tree, each source rank's rows one block."""
     _check_linear(layer, expert=True)
-    if _bias(layer) is not None:
+    if getattr(layer, "use_bias", False):
         _refuse("expert biases with Transformer Engine expert layers (Megatron-LM: --disable-bias-linear)",
                 "upstream's expert MLP adds them scaled by the routing probabilities outside the GEMM")
     group = getattr(layer, "_tp_group", None)  # megatron-core's: the expert-TP group for an expert
     nb = tpi.blocks_per_rank(group)
     dispatched = layer.parallel_mode is None  # the token dispatcher gathers and sums over expert TP
     t = tpi.group_size(group)
-    weight = layer.weight
+    weight = layer.weight if call.index is None else getattr(layer, f"weight{call.index}")
     if layer is call.mlp.linear_fc1:
         halves = getattr(weight, tpi.GATED_HALVES, 1)
         what = f"{type(layer).__name__} expert output features" + (" (each of gate, up)" if halves == 2 else "")
@@ -171,6 +169,18 @@ def _linear_forward(wrapped, instance, args, kwargs):
         return _expert(instance, x, call)
     _check_linear(instance)
     return _column(instance, x) if instance.parallel_mode == "column" else _row(instance, x)
+
+
+def _grouped_linear_forward(wrapped, instance, args, kwargs):
+    """``TEGroupedLinear.forward(x, m_splits)``: under the mode, one expert's rows at a time (its
+    ``TEGroupedMLP``'s wrapper runs the experts one by one), with that expert's weight."""
+    if not tpi.active():
+        return wrapped(*args, **kwargs)
+    call = expert_call.of(instance)
+    if call is None or call.index is None:
+        _refuse(f"a {type(instance).__name__} outside a TEGroupedMLP's experts",
+                "the mode runs a grouped linear one expert at a time, for its grouped-GEMM experts")
+    return _expert(instance, argument(args, kwargs, 0, "x"), call)
 
 
 def _normalise(layer):
@@ -282,14 +292,14 @@ PATCHES = (
         name="tp_invariant.transformer_engine",
         summary="Transformer Engine layers under tp_invariant: TE column/row-parallel linears and the fused "
                 "norm of TELayerNormColumnParallelLinear through the mode's block GEMMs and token tree, "
-                "TE routed experts (SequentialMLP) as the local experts, TEDotProductAttention as "
+                "TE routed experts (SequentialMLP, grouped GEMM) as the local experts, TEDotProductAttention as "
                 "megatron-core's local per-head attention (TE parameters and checkpoint names kept); "
                 "FP8/FP4, comm overlap refused at construction",
         hook=TE,
         package="transformer-engine",  # megatron-core's TE wrappers: nothing to patch without TE
         # run on TE 2.20.2 only (the CPU runtime's release; CI's te stage): elsewhere megapatch warns
         supports={**MEGATRON_CORE_TP_INVARIANT_TESTED, "transformer-engine": "==2.20.2"},
-        applies=_transformer_engine_installed,
+        applies=tp_invariant_with_te,
         targets=(
             Target(TE, "TELinear.forward", _linear_forward, kind="method", params=("self", "x")),
             Target(TE, "TELayerNormColumnParallelLinear.forward", _layernorm_linear_forward, kind="method",
@@ -301,6 +311,9 @@ PATCHES = (
             Target(TE, "TELinear.__init__", _linear_init, kind="method", params=("self", "input_size", "output_size")),
             Target(TE, "TELayerNormColumnParallelLinear.__init__", _linear_init, kind="method",
                    params=("self", "input_size", "output_size")),
+            Target(TE, "TEGroupedLinear.forward", _grouped_linear_forward, kind="method", params=("self", "x")),
+            Target(TE, "TEGroupedLinear.__init__", _linear_init, kind="method",
+                   params=("self", "num_gemms", "input_size", "output_size")),
         ),
         preflight=_preflight,
     ),

@@ -66,7 +66,6 @@ def _doctor_refusal(monkeypatch, flags):
 #: the config field's refused value, the flag both must name)
 MOE_TABLE = {
     "moe_token_dispatcher_type": (["--moe-token-dispatcher-type", "flex"], "flex", "--moe-token-dispatcher-type"),
-    "moe_grouped_gemm": (["--moe-grouped-gemm"], True, "--moe-grouped-gemm"),
     "moe_permute_fusion": (["--moe-permute-fusion"], True, "--moe-permute-fusion"),
     "moe_router_fusion": (["--moe-router-fusion"], True, "--moe-router-fusion"),
     "moe_shared_expert_overlap": (["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
@@ -111,6 +110,19 @@ def test_each_moe_refusal_is_made_by_the_doctor_and_the_run_naming_its_flag(monk
     assert doctor is not None and flag in doctor and field in doctor, doctor
     run = _run_refusal(_config(**{field: value}))
     assert run is not None and flag in run and field in run and "tp_invariant was set by" in run, run
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_grouped_gemm_is_refused_without_te_and_covered_with_te_by_the_doctor_and_the_run(monkeypatch, impl):
+    """``--moe-grouped-gemm`` builds the grouped_gemm package's GroupedMLP with local layers (refused)
+    and TE's TEGroupedMLP with TE layers (run under the mode: tests/test_tp_invariant_transformer_engine.py)."""
+    doctor = _doctor_refusal(monkeypatch, FLAGS + ["--moe-grouped-gemm", "--transformer-impl", impl])
+    run = _run_refusal(_config(moe_grouped_gemm=True, transformer_impl=impl))
+    for said in (doctor, run):
+        if impl == "local":
+            assert said is not None and "--moe-grouped-gemm" in said and "--transformer-impl local" in said, said
+        else:
+            assert said is None, said
 
 
 @pytest.mark.parametrize("aux,z,refused", [

@@ -33,7 +33,9 @@ REFUSED = {
     "expert parallelism with the allgather dispatcher": (
         {"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"}, "--expert-model-parallel-size"),
     "one expert per EP rank": ({"expert_model_parallel_size": 2, "num_moe_experts": 2}, "--num-experts"),
-    "grouped GEMM": ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
+    # the grouped_gemm package's GroupedMLP (--transformer-impl local); TE's grouped experts are covered
+    # (tests/test_tp_invariant_transformer_engine.py)
+    "grouped GEMM without TE": ({"moe_grouped_gemm": True, "transformer_impl": "local"}, "--moe-grouped-gemm"),
     "shared expert gate": ({"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True},
                            "--moe-shared-expert-gate"),
     "shared expert overlap": ({"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_overlap": True},

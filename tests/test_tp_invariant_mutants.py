@@ -241,9 +241,12 @@ def test_kv_groups_equal_to_the_tp_size_and_heads_as_groups_are_accepted(invaria
 
     assert te._preflight(_config(transformer_impl="transformer_engine")) is None
     assert te._preflight(_config(transformer_impl="local", fp8="hybrid")) is None  # no TE layers to refuse
+    # TE experts, sequential or grouped GEMM, are covered
+    assert te._preflight(_config(transformer_impl="transformer_engine", num_moe_experts=8,
+                                 moe_grouped_gemm=True)) is None
     for field, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format"), ("tp_comm_overlap", "--tp-comm-overlap"),
-                        ("delay_wgrad_compute", "--delay-wgrad-compute"), ("num_moe_experts", "--num-experts")):
-        value = 8 if field == "num_moe_experts" else ("e4m3" if field in ("fp8", "fp4") else True)
+                        ("delay_wgrad_compute", "--delay-wgrad-compute")):
+        value = "e4m3" if field in ("fp8", "fp4") else True
         assert flag in te._preflight(_config(transformer_impl="transformer_engine", **{field: value})), field
     assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=False)) is None
     assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=True)) is None  # covered

@@ -12,7 +12,10 @@ the mode the TE layers' forward runs the mode's arithmetic on the TE parameters,
   megatron-core's BF16 optimizer (one 4-rank job; data-parallel replicas at TP < 4);
 * they are bit-identical to the same weights in megatron-core's *local* layers under the mode -- an
   independent path (its norms, linears and attention are the local modules, checked against FP32
-  oracles in tests/test_tp_invariant.py): the TE wiring loses, adds or reorders nothing.
+  oracles in tests/test_tp_invariant.py): the TE wiring loses, adds or reorders nothing;
+* the Qwen3-MoE-shaped model with TE experts -- sequential (``SequentialMLP``) or TE's grouped GEMM
+  (``TEGroupedMLP``) -- and a TE shared expert, at TP 1/2 x EP 1/2: the same, and the local experts' bits;
+* what the mode refuses on TE layers (FP8, comm overlap) the doctor refuses from the flags too.
 
 What only a GPU can show (TE's own kernels are not used under the mode, so nothing here depends on
 them): the mode's block GEMMs on cuBLAS (tools/gpu_check.py).
@@ -205,9 +208,11 @@ def test_planted_sums_follow_the_fixed_tree_at_every_tp_size(runs, tp):
     assert torch.equal(want["row"], pairwise_tree_bf16(products))
 
 
-# -- TE experts: the Qwen3-MoE-shaped model with TE layers and sequential TE experts ------------------
+# -- TE experts: the Qwen3-MoE-shaped model with TE layers, sequential or grouped-GEMM TE experts --
 
 MOE_TPS, MOE_EPS, MOE_STEPS = (1, 2), (1, 2), 2
+TE_SPECS = ("te", "te-grouped")  # TE experts in a SequentialMLP; TE's grouped GEMM (TEGroupedMLP)
+SHARED = {"moe_shared_expert_intermediate_size": 64}  # a DeepSeek-style shared expert: TE linears in the TE specs
 
 
 def _moe_job(ctx, tp):
@@ -215,26 +220,33 @@ def _moe_job(ctx, tp):
     steps (``moe_tiny.invariant_training``; DP 2 at every layout: world = 2 x TP), under the mode,
     for megatron-core's TE spec (``TELayerNormColumnParallelLinear``, TE experts in a
     ``SequentialMLP``: ``TEColumnParallelLinear``/``TERowParallelLinear`` run by TE with
-    ``parallel_mode=None`` at TP or EP > 1) and for the local spec with the same weights."""
+    ``parallel_mode=None`` at TP or EP > 1), the TE spec with grouped-GEMM experts (``TEGroupedMLP``:
+    one ``TEGroupedLinear`` per fc holding every local expert's weight) and the local spec, all three
+    with the same weights and a shared expert (``TEColumnParallelLinear``/``TERowParallelLinear`` in
+    the TE specs, reducing over TP as dense layers do)."""
     from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
 
     out = {}
     with te_cpu_runtime() as calls:
-        for spec in ("te", "local"):
+        for spec in ("te", "te-grouped", "local"):
             before = len(calls)
+            # the grouped experts draw their weights in another order: they take the local spec's
+            weights = moe_tiny.weights_of("local", config_overrides=SHARED) if spec == "te-grouped" else None
             runs = moe_tiny.invariant_training(ctx, [(tp, ep) for ep in MOE_EPS], "alltoall", steps=MOE_STEPS,
-                                               spec=spec)
+                                               spec=spec, full_weights=weights, config_overrides=SHARED)
             out.update({(spec, t, e): run for (_, t, e), run in (runs or {}).items()})
             out[("kernels", spec, tp)] = sorted(set(calls[before:]))
-        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
-
         from megapatch.testing.ranks.harness import reinit_model_parallel
 
         reinit_model_parallel(ctx, tp=1)  # every rank: it builds process groups
-        model = moe_tiny.build(moe_tiny.qwen3_moe_config(1), spec="te")
+        model = moe_tiny.build(moe_tiny.qwen3_moe_config(1, **SHARED), spec="te")
         expert = model.decoder.layers[0].mlp.experts.local_experts[0]
-        out[("expert types", tp)] = (type(expert.linear_fc1), type(expert.linear_fc2)) == (
-            TEColumnParallelLinear, TERowParallelLinear)
+        shared = model.decoder.layers[0].mlp.shared_experts
+        grouped = moe_tiny.build(moe_tiny.qwen3_moe_config(1), spec="te-grouped").decoder.layers[0].mlp.experts
+        out[("expert types", tp)] = [type(expert.linear_fc1).__name__, type(expert.linear_fc2).__name__,
+                                     type(grouped).__name__, type(grouped.linear_fc1).__name__,
+                                     type(grouped.linear_fc2).__name__, type(shared.linear_fc1).__name__,
+                                     type(shared.linear_fc2).__name__]
     return out if ctx.rank == 0 else None
 
 
@@ -255,34 +267,90 @@ MOE_LAYOUTS = [(tp, ep) for tp in MOE_TPS for ep in MOE_EPS]
 
 
 def test_te_experts_are_te_linears_and_no_te_kernel_runs_under_the_mode(moe_runs):
-    assert all(moe_runs[("expert types", tp)] for tp in MOE_TPS)
-    for tp in MOE_TPS:  # the clipping's multi_tensor_scale only: no GEMM, norm or attention kernel
-        assert moe_runs[("kernels", "te", tp)] == ["multi_tensor_scale"], moe_runs[("kernels", "te", tp)]
+    for tp in MOE_TPS:
+        assert moe_runs[("expert types", tp)] == ["TEColumnParallelLinear", "TERowParallelLinear", "TEGroupedMLP",
+                                                  "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear",
+                                                  "TEColumnParallelLinear", "TERowParallelLinear"]
+        for spec in TE_SPECS:  # the clipping's multi_tensor_scale only: no GEMM, norm or attention kernel
+            assert moe_runs[("kernels", spec, tp)] == ["multi_tensor_scale"], moe_runs[("kernels", spec, tp)]
 
 
+@pytest.mark.parametrize("spec", TE_SPECS)
 @pytest.mark.parametrize("tp, ep", MOE_LAYOUTS[1:])
-def test_te_moe_logits_routing_losses_gradients_and_steps_are_bit_identical_to_tp1_ep1(moe_runs, tp, ep):
-    base, here = moe_runs[("te", 1, 1)], moe_runs[("te", tp, ep)]
+def test_te_moe_logits_routing_losses_gradients_and_steps_are_bit_identical_to_tp1_ep1(moe_runs, spec, tp, ep):
+    """Grouped-GEMM experts too: a grouped GEMM's blocking depends on every expert's token count,
+    the mode's per-expert block GEMMs do not."""
+    base, here = moe_runs[(spec, 1, 1)], moe_runs[(spec, tp, ep)]
     assert torch.equal(here["logits"], base["logits"])
     assert all(torch.equal(a, b) for a, b in zip(here["routing"], base["routing"])) and len(base["routing"]) == 2
     assert torch.equal(here["losses"], base["losses"])
-    assert sum("local_experts" in name for name in base["grads"]) == 2 * 8 * 2  # every expert's, over EP
+    assert sum(moe_tiny.is_expert_parameter(name) for name in base["grads"]) == 2 * 8 * 2  # every expert's, over EP
+    assert sum(".shared_experts." in name for name in base["grads"]) == 2 * 2
     assert _differing(here["grads"], base["grads"]) == []
     assert len(base["norms"]) == MOE_STEPS + 1 and here["norms"] == base["norms"]
     assert _differing(here["params"], base["params"]) == []
     assert _differing(here["adam"], base["adam"]) == []
 
 
+@pytest.mark.parametrize("spec", TE_SPECS)
 @pytest.mark.parametrize("tp, ep", MOE_LAYOUTS)
-def test_te_experts_give_the_local_experts_bits_with_the_same_weights(moe_runs, tp, ep):
+def test_te_experts_give_the_local_experts_bits_with_the_same_weights(moe_runs, spec, tp, ep):
     """An independent path: the local spec's experts (ColumnParallelLinear/RowParallelLinear, checked
     against FP32 oracles in tests/test_tp_invariant_moe.py). The grad norms too: TE marks an expert's
-    fc2 weight with partition dim 0, which the mode's norm must not take (it holds input features)."""
+    fc2 weight with partition dim 0, which the mode's norm must not take (it holds input features),
+    and gives grouped experts' weights no TP attributes at all (each expert-TP rank holds a slice)."""
     local_name = moe_tiny.local_name
-    te, local = moe_runs[("te", tp, ep)], moe_runs[("local", tp, ep)]
+    te, local = moe_runs[(spec, tp, ep)], moe_runs[("local", tp, ep)]
     assert torch.equal(te["logits"], local["logits"])
     assert torch.equal(te["losses"], local["losses"])
     assert sorted(local_name(n) for n in te["grads"]) == sorted(local["grads"])
     assert [n for n, g in te["grads"].items() if not torch.equal(g, local["grads"][local_name(n)])] == []
     assert te["norms"] == local["norms"]
     assert [n for n, p in te["params"].items() if not torch.equal(p, local["params"][local_name(n)])] == []
+
+
+# -- what the mode refuses on TE layers: the doctor from the flags, the run at construction ------
+
+TE_FLAGS = ["--tensor-model-parallel-size", "2", "--num-attention-heads", "8", "--hidden-size", "64",
+            "--transformer-impl", "transformer_engine", "--no-gradient-accumulation-fusion",
+            "--no-bias-swiglu-fusion", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
+            "--moe-grouped-gemm", "--sequence-parallel", "--disable-bias-linear", "--seq-length", "32",
+            "--moe-ffn-hidden-size", "32", "--moe-token-dispatcher-type", "alltoall"]
+TE_REFUSED = {"fp8": (["--fp8-format", "hybrid"], "hybrid", "--fp8-format"),
+              "tp_comm_overlap": (["--tp-comm-overlap"], True, "--tp-comm-overlap")}
+
+
+def _te_refusal(ctx, field, value):
+    """What building the TE-spec MoE model (grouped-GEMM experts) with ``field=value`` under the mode
+    raises, else None."""
+    import megapatch
+    from megapatch.core.errors import MegapatchError
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+    megapatch.enable(tp_invariant=True)
+    try:
+        with te_cpu_runtime():
+            moe_tiny.build(moe_tiny.qwen3_moe_config(1, **({field: value} if field else {})), spec="te-grouped")
+    except MegapatchError as exc:
+        return str(exc)
+    finally:
+        megapatch.disable()
+    return None
+
+
+@pytest.mark.parametrize("field", [None, *TE_REFUSED])
+def test_the_doctor_refuses_from_the_flags_what_the_run_refuses_when_te_layers_are_built(monkeypatch, field):
+    """Megatron-LM flags of a TE MoE job with TE's grouped GEMM: covered as they are (the doctor and
+    the build agree: nothing refused); with FP8 or comm overlap both refuse, naming the same flag."""
+    from tests.test_doctor import _flags_survey
+
+    extra, value, flag = TE_REFUSED[field] if field else ([], None, None)
+    survey = _flags_survey(monkeypatch, TE_FLAGS + extra, MEGAPATCH_TP_INVARIANT="1")
+    doctor = survey["flags"]["refusals"].get("tp_invariant.transformer_engine")
+    run = run_ranks(_te_refusal, world_size=1, tp=1, args=(field, value))[0]
+    if field is None:
+        assert doctor is None and not survey["flags"]["refusals"], survey["flags"]["refusals"]
+        assert run is None, run
+        return
+    assert doctor is not None and flag in doctor, survey["flags"]["refusals"]
+    assert run is not None and flag in run and "tp_invariant was set by" in run, run

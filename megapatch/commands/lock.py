@@ -22,7 +22,8 @@ LOCK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "surface_loc
 # megatron.rl ships in Megatron-LM's checkout, not in the megatron-core wheel the locks are taken from:
 # its targets are checked where a job imports them (the surface check at install), not locked. Likewise
 # megatron-core's Transformer Engine wrappers: without TE they are stand-ins built on a mock, so they are
-# checked where TE is installed (at install, and in CI's te stage), with TE's own targets
+# checked where TE is installed (at install, and in CI's te stage), with TE's own targets -- as is every
+# target of a patch that needs TE (``package="transformer-engine"``: megatron-core's TEGroupedMLP too)
 _PACKAGE_OF_MODULE = (("megatron.rl", "megatron-lm"),
                       ("megatron.core.extensions.transformer_engine", "transformer-engine"),
                       ("megatron", "megatron-core"), ("transformer_engine", "transformer-engine"),
@@ -36,23 +37,24 @@ def _package(module: str) -> str:
     return "other"
 
 
-def _symbols() -> List[Tuple[str, Target]]:
-    """Every (patch name, target) megapatch touches, watched symbols included."""
+def _symbols() -> List[Tuple[str, str, Target]]:
+    """Every (patch name, package locked under, target) megapatch touches, watched symbols included."""
     found = []
     for patch in engine.patches():
-        for target in patch.targets:
-            found.append((patch.name, target))
+        targets = list(patch.targets)
         for watched in patch.watches:
             module, attr = watched.split(":")
-            found.append((patch.name, Target(module, attr, wrapper=None, kind="any")))
+            targets.append(Target(module, attr, wrapper=None, kind="any"))
+        for target in targets:
+            package = "transformer-engine" if patch.package == "transformer-engine" else _package(target.module)
+            found.append((patch.name, package, target))
     return found
 
 
 def current(packages=("megatron-core", "torch")) -> Dict[str, Dict[str, dict]]:
     """``{package: {symbol path: fingerprint}}`` of the installed versions."""
     result: Dict[str, Dict[str, dict]] = {}
-    for patch_name, target in _symbols():
-        package = _package(target.module)
+    for patch_name, package, target in _symbols():
         if package not in packages or version_of(package) is None:
             continue
         entry = surface.fingerprint(target)
