@@ -491,12 +491,8 @@ def markdown(report: dict) -> str:
                       "| mode | TP | KL(TP1‖TPN) | max abs dlogit | rel. L2 vs FP32 |", "|---|---|---|---|---|"]
             lines += [f"| {r['mode']} | {r['tp']} | {r['kl_vs_tp1']:.3e} | {r['max_abs_dlogit']:.3e} | "
                       f"{r['rel_l2_vs_fp32']:.4f} |" for r in section["rows"]]
-            lines += ["", f"Cost at TP 1: one forward and backward of {section['cost_batch']} sequences of "
-                      f"{section['model']['seq']} tokens, median of {section['cost_samples']} timed steps.", "",
-                      "| mode (TP=1) | step (s) | vs native | peak memory vs native |", "|---|---|---|---|"]
-            for mode, c in section["cost_at_tp1"].items():
-                peak = f"{c['peak_ratio_vs_native']:.3f}" if c["peak_ratio_vs_native"] else "n/a (CPU)"
-                lines.append(f"| {mode} | {c['step_s']:.4f} | {c['ratio_vs_native']:.3f} | {peak} |")
+            lines += _cost_lines(section, f"Cost at TP 1: one forward and backward of {section['cost_batch']} "
+                                          f"sequences of {section['model']['seq']} tokens")
         elif name == "te_layers" and "skipped" in section:
             lines.append(f"Skipped: {section['skipped']}.")
         elif name == "te_layers":
@@ -506,14 +502,20 @@ def markdown(report: dict) -> str:
                       "| mode | TP | bit-identical to TP 1 | KL(TP1‖TPN) | max abs dlogit |", "|---|---|---|---|---|"]
             lines += [f"| {r['mode']} | {r['tp']} | {r['bit_identical_to_tp1']} | {r['kl_vs_tp1']:.3e} | "
                       f"{r['max_abs_dlogit']:.3e} |" for r in section["rows"]]
-            lines += ["", f"Cost at TP 1 against native TE: one forward and backward of {section['cost_batch']} "
-                      f"sequences, median of {section['cost_samples']} timed steps.", "",
-                      "| mode (TP=1) | step (s) | vs native | peak memory vs native |", "|---|---|---|---|"]
-            for mode, c in section["cost_at_tp1"].items():
-                peak = f"{c['peak_ratio_vs_native']:.3f}" if c["peak_ratio_vs_native"] else "n/a (CPU)"
-                lines.append(f"| {mode} | {c['step_s']:.4f} | {c['ratio_vs_native']:.3f} | {peak} |")
+            lines += _cost_lines(section, f"Cost at TP 1 against native TE: one forward and backward of "
+                                          f"{section['cost_batch']} sequences")
         lines.append("")
     return "\n".join(lines)
+
+
+def _cost_lines(section: dict, what: str) -> list:
+    """A section's cost table at TP 1: step time and peak memory of each mode against native."""
+    lines = ["", f"{what}, median of {section['cost_samples']} timed steps.", "",
+             "| mode (TP=1) | step (s) | vs native | peak memory vs native |", "|---|---|---|---|"]
+    for mode, c in section["cost_at_tp1"].items():
+        peak = f"{c['peak_ratio_vs_native']:.3f}" if c["peak_ratio_vs_native"] else "n/a (CPU)"
+        lines.append(f"| {mode} | {c['step_s']:.4f} | {c['ratio_vs_native']:.3f} | {peak} |")
+    return lines
 
 
 def _write(out: str, report: dict) -> None:
