@@ -7,13 +7,16 @@ TE 2.20.2 is installed; its kernels run on CPU through the labelled stand-in
 ``TERowParallelLinear``, ``TEDotProductAttention``, TE's FusedAdam -- trains at TP 2, saving at
 iteration 1; resumed from that checkpoint at TP 1 and at TP 4 with sequence parallelism, the next two
 steps leave every saved tensor (parameters, FP32 main parameters, Adam moments; TE's parameter names)
-and the full-precision grad norms as the uninterrupted TP 2 run's. A checkpoint trained natively at
-TP 2 (TE's kernels through the runtime, TE's attention on its unfused backend) resumes under the mode
-with no conversion at TP 1 and at TP 4, bit-identically.
+and the full-precision grad norms as the uninterrupted TP 2 run's. A Qwen3-MoE checkpoint with TE's
+grouped-GEMM experts trained natively at TP 2 (TE's kernels through the runtime, TE's attention on its
+unfused backend) resumes under the mode with no conversion at TP 1 and at TP 4, bit-identically.
 
-Not here: TE experts through this script (benchmarks/te_moe_megatron_lm.py; the model-level tests are
-tests/test_tp_invariant_transformer_engine.py and tests/test_te_runtime.py), a GPU.
+Not here: every mode at every TP and EP size through this script (benchmarks/te_moe_megatron_lm.py,
+results/te_moe_megatron_lm.md; the model-level tests are tests/test_tp_invariant_transformer_engine.py
+and tests/test_te_runtime.py), a GPU.
 """
+
+import re
 
 import pytest
 
@@ -24,6 +27,14 @@ pytestmark = pytest.mark.skipif(
                                 "(../shared/te-cpu/install.sh; CI's te stage)")
 
 QWEN3_TE = ("--qk-layernorm", "--transformer-impl", "transformer_engine")  # the last --transformer-impl counts
+
+
+def _qwen3_moe_grouped():
+    """The RL example's Qwen3-MoE shape scaled down (``layouts.MOE``: 8 SwiGLU experts top-2, alltoall,
+    aux and z losses) with TE's grouped-GEMM experts; upstream needs sequence parallelism for MoE at TP > 1."""
+    from megapatch.testing.scenarios import layouts
+
+    return (*layouts.MOE, *QWEN3_TE, "--sequence-parallel", "--moe-grouped-gemm")
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +54,17 @@ def runs(tmp_path_factory):
     resumed.update(layouts.experiment(checkout, work, {"MEGAPATCH_TP_INVARIANT": "1"}, [L(tp=4)], probe=probe,
                                       save_at=1, iters=3, global_batch=4, start=start, label="te-sp",
                                       extra=(*QWEN3_TE, "--sequence-parallel"), launcher=("--te",), timeout=900))
-    # a checkpoint trained natively (TE's own kernels through the runtime, TE's attention on its unfused
-    # backend), resumed under the mode at TP 1 and at TP 4 (no conversion: TE's parameter names)
+    # a Qwen3-MoE checkpoint with grouped-GEMM experts trained natively (TE's own kernels through the
+    # runtime, its grouped GEMM included; TE's attention on its unfused backend), resumed under the mode at
+    # TP 1 and at TP 4 (no conversion: TE's parameter names)
     native = layouts.experiment(checkout, work, {}, [], probe=probe, base=L(tp=2), save_at=1, iters=3,
-                                global_batch=4, extra=QWEN3_TE, label="te-native", launcher=("--te",),
+                                global_batch=4, extra=_qwen3_moe_grouped(), label="te-native", launcher=("--te",),
                                 timeout=900)
     resumed["native"] = native["full"]
     from_native = layouts.experiment(checkout, work, {"MEGAPATCH_TP_INVARIANT": "1"}, [L(tp=1), L(tp=4)],
                                      probe=probe, save_at=1, iters=3, global_batch=4,
                                      start=native["full"].checkpoint.parent, label="te-from-native",
-                                     extra=QWEN3_TE, launcher=("--te",), timeout=900)
+                                     extra=_qwen3_moe_grouped(), launcher=("--te",), timeout=900)
     resumed.update({f"from-native-{k}": v for k, v in from_native.items()})
     resumed["probes"] = work / "probes"
     return resumed
@@ -114,8 +126,9 @@ def test_a_tp_change_on_resume_leaves_every_tensor_and_norm_as_never_stopping(ru
 
 
 def test_a_native_te_checkpoint_resumes_under_the_mode_at_tp1_and_tp4_bit_identically(runs):
-    """Trained natively at TP 2 (TE's GEMMs, norms and unfused attention through the runtime; megapatch
-    off) and saved; resumed under the mode with no conversion at TP 1 and at TP 4, the next two steps
+    """The Qwen3-MoE shape with TE's grouped-GEMM experts (``--moe-grouped-gemm``: ``TEGroupedMLP``),
+    trained natively at TP 2 (TE's GEMMs, grouped GEMMs, norms and unfused attention through the
+    runtime; megapatch off) and saved; resumed under the mode with no conversion at TP 1 and at TP 4, the next two steps
     give the same per-token losses, grad norms and saved tensors (parameters, FP32 main parameters,
     Adam moments) at both sizes."""
     from megapatch.testing.scenarios import tp_resume
@@ -132,3 +145,5 @@ def test_a_native_te_checkpoint_resumes_under_the_mode_at_tp1_and_tp4_bit_identi
     assert tp_resume.differences(tp1.tensors(), tp4.tensors()) == {}
     # the resumed jobs start from the native weights: iteration 1's parameters are TE-trained ones
     assert set(tp1.tensors()) == set(native.tensors())
+    # grouped-GEMM experts: Megatron-LM's spec builds TEGroupedMLP for --moe-grouped-gemm with TE layers
+    assert re.search(r"moe_grouped_gemm \.+ True", native.run.log) and "experts" in " ".join(native.tensors())

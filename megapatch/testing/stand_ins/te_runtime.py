@@ -55,7 +55,8 @@ device-generic code, a DataLoader's pinned memory, stays on the CPU), the cuBLAS
 of ``TransformerEngineBaseModule.prepare_forward``, answered True for that one input tensor during
 that call; for one ``DotProductAttention.forward``, ``is_cuda`` True for its query, key and value and
 tensors TE creates on ``device="cuda"`` made on the CPU; the device's compute capability (TE's
-``utils._get_device_compute_capability``: ``COMPUTE_CAPABILITY``, an A100-class device without FP8)
+``utils._get_device_compute_capability``, and ``torch.cuda.get_device_capability`` for Megatron-LM's
+argument checks: ``COMPUTE_CAPABILITY``, an A100-class device without FP8)
 and ``tex.get_cudnn_version`` (``CUDNN_VERSION``), which the backend selection reads. Construct the
 modules inside the scope with ``device="cpu"``.
 
@@ -668,6 +669,8 @@ class _Runtime:
         cpu = torch.device("cpu")
         put(torch.cuda, "is_available", lambda _o: lambda: True)
         put(torch.cuda, "current_device", lambda _o: lambda: cpu)
+        # the same device to Megatron-LM (validate_args: --moe-grouped-gemm needs compute capability >= 8)
+        put(torch.cuda, "get_device_capability", lambda _o: lambda device=None: COMPUTE_CAPABILITY)
         put(torch.cuda, "is_current_stream_capturing", lambda _o: lambda: False)
         # torch.compile (megatron-core's jit_fuser: the router's top-k, ...) asks the CUDA device it is
         # now told exists for its generator and properties: compiled functions run eagerly instead
