@@ -275,6 +275,29 @@ def test_te_experts_are_te_linears_and_no_te_kernel_runs_under_the_mode(moe_runs
             assert moe_runs[("kernels", spec, tp)] == ["multi_tensor_scale"], moe_runs[("kernels", spec, tp)]
 
 
+def _grouped_forward_backward(ctx):
+    """One forward and backward at TP 1 under the mode: grouped TE experts (with the local spec's
+    weights) and the local experts, and the TE kernels the grouped model called."""
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+
+    with te_cpu_runtime() as calls:
+        grouped = moe_tiny.invariant_training(ctx, [(1, 1)], "alltoall", steps=0, spec="te-grouped",
+                                              full_weights=moe_tiny.weights_of("local"))
+        kernels = sorted(set(calls))
+    local = moe_tiny.invariant_training(ctx, [(1, 1)], "alltoall", steps=0, spec="local")
+    return grouped[("tp_invariant", 1, 1)], local[("tp_invariant", 1, 1)], kernels
+
+
+@pytest.mark.quick("tp_invariant.te_grouped_experts")  # runs where TE is installed (CI's te stage)
+def test_grouped_te_experts_run_no_grouped_gemm_and_give_the_local_experts_bits():
+    grouped, local, kernels = run_ranks(_grouped_forward_backward, world_size=1, tp=1, timeout=300)[0]
+    assert kernels == [], kernels  # no te_general_grouped_gemm, nor any other TE kernel
+    assert torch.equal(grouped["logits"], local["logits"]) and torch.equal(grouped["losses"], local["losses"])
+    names = {n: moe_tiny.local_name(n) for n in grouped["grads"]}
+    assert sum(".experts.linear_fc" in n for n in names) == 2 * 8 * 2
+    assert [n for n, m in names.items() if not torch.equal(grouped["grads"][n], local["grads"][m])] == []
+
+
 @pytest.mark.parametrize("spec", TE_SPECS)
 @pytest.mark.parametrize("tp, ep", MOE_LAYOUTS[1:])
 def test_te_moe_logits_routing_losses_gradients_and_steps_are_bit_identical_to_tp1_ep1(moe_runs, spec, tp, ep):
