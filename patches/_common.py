@@ -99,6 +99,13 @@ tp_invariant_patch = functools.partial(Patch, option="tp_invariant", applies=whe
                                        probe=tp_invariant_verified_upstream)
 
 
+#: what both modes refuse for ``--moe-grouped-gemm`` without TE, naming the flags (TE's grouped experts,
+#: ``TEGroupedMLP``, are covered by both)
+LEGACY_GROUPED_EXPERTS = ("grouped-GEMM experts without Transformer Engine (Megatron-LM: --moe-grouped-gemm with "
+                          "--transformer-impl local, the grouped_gemm package's GroupedMLP; TE's grouped experts, "
+                          "--transformer-impl transformer_engine, are covered)")
+
+
 def tp_invariant_with_te(settings) -> bool:
     """Under the mode, where Transformer Engine is installed: without it megatron-core's TE wrappers
     are stand-ins built on a mock (``HAVE_TE = False``), nothing builds TE layers, and there is

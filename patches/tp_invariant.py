@@ -89,8 +89,8 @@ from megapatch.numerics import block_tree as tpi
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
 from megapatch.core.scope import scoped
-from megapatch.patches._common import (LAYERS, refuse_tp_invariant, tp_group, tp_invariant_patch,
-                                       tp_invariant_verified_upstream)
+from megapatch.patches._common import (LAYERS, LEGACY_GROUPED_EXPERTS, refuse_tp_invariant, tp_group,
+                                       tp_invariant_patch, tp_invariant_verified_upstream)
 
 CROSS_ENTROPY = "megatron.core.tensor_parallel.cross_entropy"
 MLP = "megatron.core.transformer.mlp"
@@ -489,10 +489,7 @@ def _mark_experts(name: str, module) -> None:
         setattr(fc2, _PARTITION_DIM, 1)
 
 
-_LEGACY_GROUPED = ("grouped-GEMM experts without Transformer Engine (Megatron-LM: --moe-grouped-gemm with "
-                   "--transformer-impl local, the grouped_gemm package's GroupedMLP; leave it off, or use TE's "
-                   "grouped experts, --transformer-impl transformer_engine)",
-                   "their kernels choose their blocking by the tokens each expert receives")
+_LEGACY_GROUPED = (LEGACY_GROUPED_EXPERTS, "their kernels choose their blocking by the tokens each expert receives")
 
 
 # -- refusals at model and optimizer construction -------------------------------------------------

@@ -43,7 +43,7 @@ from megapatch.core.call_args import argument
 from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurfaceError
 from megapatch.core.registry import Patch, Target
 from megapatch.numerics.dtypes import LOW_PRECISION
-from megapatch.patches._common import MEGATRON_CORE_TP_REDUCE_TESTED, MOE_FP32_SUM
+from megapatch.patches._common import LEGACY_GROUPED_EXPERTS, MEGATRON_CORE_TP_REDUCE_TESTED, MOE_FP32_SUM
 
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
@@ -128,10 +128,7 @@ def _mark(layer) -> None:
         setattr(module, MOE_FP32_SUM, True)
 
 
-_LEGACY_GROUPED = ("grouped-GEMM experts without Transformer Engine (Megatron-LM: --moe-grouped-gemm with "
-                   "--transformer-impl local, the grouped_gemm package's GroupedMLP; TE's grouped experts, "
-                   "--transformer-impl transformer_engine, are covered): they have no fc2 layer megapatch can "
-                   "keep in FP32")
+_LEGACY_GROUPED = f"{LEGACY_GROUPED_EXPERTS}: they have no fc2 layer megapatch can keep in FP32"
 
 
 def _te_routed_fc2(name: str, module) -> bool:

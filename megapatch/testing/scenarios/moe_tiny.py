@@ -167,11 +167,15 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234, vocab: int = V
 def weights_of(spec: str, seed: int = 1234, config_overrides: Optional[Dict[str, Any]] = None):
     """A ``full_weights`` rewrite (:func:`build_full_then_shard`): the weights the ``spec`` model is
     built with, under the names of the model being built (e.g. the local spec's weights in a
-    ``te-grouped`` model, whose experts draw theirs in another order): the same weights in two specs."""
+    ``te-grouped`` model, whose experts draw theirs in another order): the same weights in two specs.
+    The ``spec`` model is built once, at the first layout (its weights do not depend on the layout)."""
+    drawn: Dict[str, torch.Tensor] = {}
+
     def rewrite(full: Dict[str, torch.Tensor]) -> None:
-        config = qwen3_moe_config(1, **(config_overrides or {}))
-        drawn = {local_name(k): v.detach().clone() for k, v in build(config, seed, spec=spec).state_dict().items()
-                 if not k.endswith("_extra_state")}
+        if not drawn:
+            config = qwen3_moe_config(1, **(config_overrides or {}))
+            drawn.update({local_name(k): v.detach().clone() for k, v in build(config, seed, spec=spec)
+                          .state_dict().items() if not k.endswith("_extra_state")})
         names = {local_name(k): k for k in full}
         if drawn.keys() != names.keys():
             raise ValueError(f"the {spec} model's weights do not fill the model: {sorted(drawn.keys() ^ names.keys())}")
