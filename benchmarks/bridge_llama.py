@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megapatch.testing.scenarios import llama_hf as L  # noqa: E402
-from megapatch.testing.ranks.harness import RankFailure  # noqa: E402
+from megapatch.testing.ranks.rank_results import RankFailure  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from llama_hf import BATCH, MODEL, SEQ, _fmt  # noqa: E402  (the converter benchmark's model and batch)

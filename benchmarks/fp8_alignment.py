@@ -121,7 +121,7 @@ def _job(ctx, microbatches, k, reps):
         pgb.post_all_gather_processing, pgb.is_float8tensor, sched.forward_step, sched.backward_step = saved
         megapatch.disable()
 
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     return dict(pp_rank=ctx.pp_rank, rows=rows, decision=dict(pm.last_decision))
 

@@ -23,7 +23,7 @@ def _bench(ctx, vocabs, hiddens, tokens, reps):
     import megapatch
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
-    from megapatch.patches.logits import lm_head
+    from megapatch.patches.logits._lm_head import lm_head
 
     rows = []
     for hidden in hiddens:

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from megapatch.testing.ranks.harness import RankFailure  # noqa: E402
+from megapatch.testing.ranks.rank_results import RankFailure  # noqa: E402
 from megapatch.testing.scenarios import bridge_moe as B  # noqa: E402
 from megapatch.testing.scenarios import llama_hf as L  # noqa: E402
 from bridge_llama import mode_env, weights_digest  # noqa: E402

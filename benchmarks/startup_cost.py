@@ -94,7 +94,7 @@ def te_tree(version, workdir):
 PROBE = """
 import sys, time
 import megapatch.core.engine  # loaded before the probe runs in a rank (enable() -> patch install)
-from megapatch.patches import tp_reduce_transformer_engine as spec  # (the patch module calls the probe)
+from megapatch.patches.tp_reduce import transformer_engine as spec  # (the patch module calls the probe)
 t0 = time.process_time()
 from megapatch.te_check import verdict
 problem = verdict.installed_problem(spec)

@@ -1,5 +1,7 @@
-"""Patch definitions, one module per patch set; installed as ``megapatch.patches``.
+"""Patch definitions, one package per capability (patch family); installed as ``megapatch.patches``.
 
-Each module declares ``PATCHES = (Patch(...), ...)`` (see ``megapatch.core.registry``). The engine
-discovers them; nothing else imports a patch by name.
+The record ``<family>.<what>`` is declared in ``<family>/<what>.py`` as ``PATCHES = (Patch(...),)``
+(see ``megapatch.core.registry``); what a family's records share lives beside them in modules whose
+names start with ``_``, and what families share in ``_common.py``. The engine discovers the records;
+nothing else imports a patch by name.
 """

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import megapatch
-from megapatch.core import options
+from megapatch.core import engine, options
 
 from conftest import REPO
 
@@ -68,22 +68,83 @@ def test_a_runtime_module_importing_the_test_harness_breaks_a_contract(tmp_path)
     assert "megapatch.core.state -> megapatch.testing.ranks.harness" in result.stdout
 
 
+def test_a_family_importing_another_family_breaks_a_contract(tmp_path):
+    result = _lint_with_added_line(tmp_path, "patches/tp_invariant/_marks.py",
+                                   "from megapatch.patches.tp_reduce import _reduction  # careless")
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "patch families never import each other" in result.stdout and "BROKEN" in result.stdout
+    said = " ".join(result.stdout.split())  # import-linter wraps long lines
+    assert "megapatch.patches.tp_invariant._marks -> megapatch.patches.tp_reduce._reduction" in said
+
+
+def test_the_families_contract_lists_every_family_package():
+    """A new family is independent of the others only once the contract names it."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    [families] = [c["modules"] for c in contracts if c["id"] == "families-independent"]
+    package = importlib.import_module("megapatch.patches")
+    found = {f"megapatch.patches.{i.name}" for i in pkgutil.iter_modules(package.__path__) if i.ispkg}
+    assert set(families) == found
+
+
 def test_a_cycle_inside_the_engine_breaks_a_contract(tmp_path):
     result = _lint_with_added_line(tmp_path, "core/report.py", "from megapatch.core import engine  # a cycle")
     assert result.returncode == 1 and "no import cycles inside a layer BROKEN" in result.stdout
 
 
-def test_every_patch_module_is_named_after_its_patches():
-    """``<family>.<what>`` lives in ``patches/<family>.py`` or ``patches/<family>_<what>.py``."""
-    package = importlib.import_module("megapatch.patches")
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name.startswith("_"):
+def _layout_problems(package) -> list:
+    """Where ``megapatch.patches`` breaks the rule: the record ``<family>.<what>`` is declared, alone,
+    in ``patches/<family>/<what>.py``; a family is a package; modules starting with ``_`` hold helpers
+    and declare no record."""
+    problems = []
+    for family in pkgutil.iter_modules(package.__path__):
+        if family.name.startswith("_"):
             continue
-        module = importlib.import_module(f"megapatch.patches.{info.name}")
-        assert module.PATCHES, info.name
-        for patch in module.PATCHES:
-            family = patch.name.partition(".")[0]
-            assert info.name in (family, patch.name.replace(".", "_")), (info.name, patch.name)
+        if not family.ispkg:
+            problems.append(f"{family.name}.py is a module, not a family package")
+            continue
+        family_package = importlib.import_module(f"{package.__name__}.{family.name}")
+        for info in pkgutil.iter_modules(family_package.__path__):
+            module = importlib.import_module(f"{family_package.__name__}.{info.name}")
+            names = [getattr(p, "name", p) for p in getattr(module, "PATCHES", ())]
+            if info.name.startswith("_") or info.ispkg:
+                if names:
+                    problems.append(f"{family.name}/{info.name} is a helper and declares {names}")
+            elif names != [f"{family.name}.{info.name}"]:
+                problems.append(f"{family.name}/{info.name}.py declares {names}, not [{family.name}.{info.name!r}]")
+    return problems
+
+
+def test_every_patch_record_lives_in_its_family_package_under_its_own_name():
+    """``<family>.<what>`` in ``patches/<family>/<what>.py``, one record a module: a user's patch name
+    (``megapatch status``, ``MEGAPATCH_SKIP_PATCHES``) finds its file."""
+    package = importlib.import_module("megapatch.patches")
+    assert _layout_problems(package) == []
+    families = {p.name.partition(".")[0] for p in engine.patches()}
+    assert families == {"cross_rank", "fp8", "linear", "logits", "tp_invariant", "tp_reduce"}
+
+
+def test_a_record_in_the_wrong_module_or_a_flat_patch_module_breaks_the_layout_rule(tmp_path, monkeypatch):
+    """The rule can fail: a second record beside a module's own, a record in a helper module, and a
+    flat module next to the families are each named."""
+    root = _wheel_layout(tmp_path)
+    patches = root / "megapatch" / "patches"
+    mlp = patches / "tp_invariant" / "mlp.py"
+    mlp.write_text(mlp.read_text() + "\nimport dataclasses\n"
+                   "PATCHES = PATCHES + (dataclasses.replace(PATCHES[0], name='tp_invariant.moe_router'),)\n")
+    marks = patches / "tp_invariant" / "_marks.py"
+    marks.write_text(marks.read_text() + "\nPATCHES = ('tp_invariant.marks',)\n")
+    (patches / "tp_invariant_extra.py").write_text("PATCHES = ()\n")
+    code = ("import sys, importlib; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2]); "
+            "import test_architecture as t; print(t._layout_problems(importlib.import_module('megapatch.patches')))")
+    result = subprocess.run([sys.executable, "-c", code, str(root), os.path.join(REPO, "tests")],
+                            capture_output=True, text=True, cwd=root, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tp_invariant/mlp.py declares ['tp_invariant.mlp', 'tp_invariant.moe_router']" in result.stdout
+    assert "tp_invariant/_marks is a helper and declares ['tp_invariant.marks']" in result.stdout
+    assert "tp_invariant_extra.py is a module, not a family package" in result.stdout
 
 
 def test_the_option_table_drives_settings_enable_and_the_launcher():

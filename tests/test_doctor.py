@@ -14,7 +14,8 @@ import pytest
 from conftest import run_python
 
 from megapatch.core import engine
-from megapatch.commands.doctor import diagnose, render_doctor, survey
+from megapatch.commands.doctor import diagnose, survey
+from megapatch.commands.doctor_text import render_doctor
 
 DOCTOR = "import sys; from megapatch.commands.cli import main; sys.exit(main({argv!r}))"
 # An upstream whose surface changed: `_reduce`'s parameters renamed, in place before megatron.core

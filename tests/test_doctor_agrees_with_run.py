@@ -193,11 +193,11 @@ def test_transformer_engine_missing_stops_the_run_in_the_doctors_words_only_wher
     once model parallelism is set up (before any model is built, so before upstream's NameError),
     saying what the doctor says; megapatch native or off, or a job that builds no TE spec, is
     left to upstream."""
-    from megapatch.commands.doctor import _upstream_stops
+    from megapatch.commands.upstream_stops import _upstream_stops
     from megapatch.core import state
     from megapatch.core.errors import UnsupportedConfigurationError
     from megapatch.core.options import Settings
-    from megapatch.patches import cross_rank as patch
+    from megapatch.patches.cross_rank import publish_settings as patch
 
     if _te_importable():
         pytest.skip("Transformer Engine is importable here")
@@ -239,27 +239,27 @@ def test_a_megatron_lm_sequence_w_does_not_divide_is_refused_at_construction_wit
     ``--seq-length`` from the job's arguments and refuses it as the doctor does from the flags."""
     from megapatch.core.errors import UnsupportedConfigurationError
     from megapatch.commands.megatron_lm_flags import config_from_flags
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import construction
     from megapatch.testing import tiny_gpt_config
 
-    listed = patch._preflight_model(config_from_flags(SP_SEQUENCE_36))
+    listed = construction._preflight_model(config_from_flags(SP_SEQUENCE_36))
     config = tiny_gpt_config(2, sequence_parallel=True, hidden_size=64, num_attention_heads=4,
                              bias_activation_fusion=False)
     assert not hasattr(config, "seq_length")
-    patch._check_config(config)  # no Megatron-LM job: the sequence is unknown until a batch comes
+    construction._check_config(config)  # no Megatron-LM job: the sequence is unknown until a batch comes
     _megatron_lm_args(monkeypatch, seq_length=36, padded_vocab_size=256)
     with pytest.raises(UnsupportedConfigurationError) as caught:
-        patch._check_config(config)
+        construction._check_config(config)
     said = _said(str(caught.value))
     assert said.startswith("does not support the sequence length 36 (--seq-length) with --sequence-parallel at "
                            "TP 2") and said in listed, (said, listed)
     _megatron_lm_args(monkeypatch, seq_length=40, padded_vocab_size=256)  # 40 = 5 x 8
-    patch._check_config(config)
+    construction._check_config(config)
     _megatron_lm_args(monkeypatch, seq_length=36, padded_vocab_size=256)
     config.sequence_parallel = False  # the sequence is not split: nothing to refuse
-    patch._check_config(config)
+    construction._check_config(config)
     config.sequence_parallel, config.variable_seq_lengths = True, True  # batches vary: the first step tells
-    patch._check_config(config)
+    construction._check_config(config)
 
 
 @pytest.mark.parametrize("name", ["sequence 36 with --sequence-parallel at TP 2",
@@ -295,7 +295,7 @@ def test_transformer_engine_counts_as_missing_where_megatron_cores_layer_specs_c
     whether a ``transformer_engine`` package is found. The cause says which of the two it is."""
     import importlib.util
 
-    from megapatch.patches import cross_rank as patch
+    from megapatch.patches.cross_rank import publish_settings as patch
 
     te = dict(transformer_impl="transformer_engine", spec=None, use_legacy_models=False)
     found = {"transformer_engine": None}

@@ -308,7 +308,7 @@ def test_ddp_hook_gradients_waiting_in_main_grad_give_the_terms_of_one_deposit_e
     round (1 + 2**-30) -- and main_grad must be zero again afterwards."""
     from types import SimpleNamespace
 
-    from megapatch.patches import tp_invariant_data_parallel as dp
+    from megapatch.patches.tp_invariant import data_parallel as dp
 
     class Param:  # what the hook reads of a parameter: .grad (any float dtype) and .main_grad
         grad = None

@@ -193,7 +193,7 @@ def _train(ctx, patched, psf, vpp, eval_pass=False, cost_s=0.0):
         for name, p in m.module.named_parameters():
             h.update(name.encode())
             h.update(p.detach().numpy().tobytes())
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     backend = megapatch.status().patch("fp8.align_transposes").backend
     result = dict(losses=losses, params=h.hexdigest(), events=rec.events, times=times,
@@ -334,7 +334,7 @@ def test_without_vpp_behaviour_is_unchanged(runs):
 def test_status_reports_the_patch_without_a_call(monkeypatch):
     import megapatch
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     # the last decision is process-wide: an in-process test of this file that ran the aligned path
     # (pytest-xdist puts them in one worker, in any order) must not decide what "no call" shows
@@ -353,7 +353,7 @@ def _pass_through_reason(ctx):
 
 def test_passes_through_where_ddp_runs_no_processing():
     from megatron.core.distributed import param_and_grad_buffer as pgb
-    from megapatch.patches.fp8_align_transposes import _has_processing
+    from megapatch.patches.fp8.align_transposes import _has_processing
 
     if _has_processing(pgb):
         pytest.skip("this megatron-core (>= 0.16) post-processes in DDP: the patch aligns here "
@@ -367,7 +367,7 @@ def test_passes_through_where_ddp_runs_no_processing():
 
 def test_chunk_order_helper_matches_upstream_schedule_table_for_uneven_groups():
     import megatron.core.pipeline_parallel.schedules as schedules
-    from megapatch.patches.fp8_align_transposes import _chunk_of_virtual_microbatch
+    from megapatch.patches.fp8.align_transposes import _chunk_of_virtual_microbatch
 
     table = getattr(schedules, "get_schedule_table", None)
     if table is None:
@@ -421,7 +421,7 @@ def _run_stand_in_schedule(monkeypatch, forward_chunks, chunks):
 
     import megapatch
     import megatron.core.distributed.param_and_grad_buffer  # noqa: F401  (the patch requires it)
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     monkeypatch.setattr(pm, "_why_not", lambda args, kwargs, pgb: None)
     monkeypatch.setattr(pm, "_unwrap_ddp", lambda chunk: chunk)
@@ -515,7 +515,7 @@ def _decision(monkeypatch, chunks, change=None):
     import torch
 
     import megatron.core.distributed.param_and_grad_buffer as real_pgb
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     monkeypatch.setattr(pm, "_unwrap_ddp", lambda chunk: chunk)
     kinds = {}
@@ -620,7 +620,7 @@ def test_a_chunks_ddp_is_found_through_up_to_four_module_wrappers():
     import torch
     from megatron.core.distributed import DistributedDataParallel
 
-    from megapatch.patches.fp8_align_transposes import _unwrap_ddp
+    from megapatch.patches.fp8.align_transposes import _unwrap_ddp
 
     ddp = bare_module(DistributedDataParallel)  # the type is what is read; nothing is built
 
@@ -641,7 +641,7 @@ def test_the_pipeline_rank_is_read_from_the_communicator_then_the_process_groups
 
     from megatron.core import parallel_state
 
-    from megapatch.patches.fp8_align_transposes import _pp_rank
+    from megapatch.patches.fp8.align_transposes import _pp_rank
 
     group = lambda rank: SimpleNamespace(rank=lambda: rank)  # noqa: E731
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 7)
@@ -659,7 +659,7 @@ def test_quantized_parameters_are_recognised_by_each_releases_own_test_and_count
 
     import torch
 
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     a, b = torch.zeros(1), torch.zeros(2)
     assert pm._is_quantized(SimpleNamespace(_param_uses_quantized_storage=lambda p: p is a, is_float8tensor=lambda p: True), b) is False
@@ -683,7 +683,7 @@ def test_quantized_parameters_are_recognised_by_each_releases_own_test_and_count
 
 
 def test_the_backend_says_the_last_decision(monkeypatch):
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     monkeypatch.setattr(pm, "last_decision", {"aligned": True, "reason": "aligned", "chunks": 3})
     assert pm._backend() == "aligned 3 chunks at param-sync slots (last call)"
@@ -694,7 +694,7 @@ def test_the_backend_says_the_last_decision(monkeypatch):
 def test_the_probe_names_each_piece_of_the_bucket_group_it_relies_on(monkeypatch):
     import megatron.core.distributed.param_and_grad_buffer as real_pgb
 
-    from megapatch.patches import fp8_align_transposes as pm
+    from megapatch.patches.fp8 import align_transposes as pm
 
     assert pm._probe() is None
     group = real_pgb._ParamAndGradBucketGroup
@@ -729,7 +729,7 @@ def test_a_forward_step_beyond_the_schedule_table_stops_aligning_instead_of_fail
 def test_before_any_schedule_call_the_decision_says_nothing_was_aligned():
     """``last_decision`` (documented as what status shows) in a fresh process: not aligned, no call
     seen, 0 chunks aligned."""
-    done = run_python("from megapatch.patches import fp8_align_transposes as pm\n"
+    done = run_python("from megapatch.patches.fp8 import align_transposes as pm\n"
                       "print(pm.last_decision)\nprint(pm._backend())\n", fresh=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [

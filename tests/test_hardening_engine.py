@@ -477,7 +477,7 @@ def test_the_level_megapatch_set_is_undone_once_the_application_configures_loggi
 
 
 def test_fp8_pass_through_is_logged_once(caplog):
-    from megapatch.patches import fp8_align_transposes as fp8
+    from megapatch.patches.fp8 import align_transposes as fp8
 
     with caplog.at_level(logging.INFO, logger="megapatch"):
         for _ in range(3):

@@ -306,7 +306,8 @@ def test_cpu_workarounds_nest_and_restore_everything():
     from megatron.core.tensor_parallel import random as mrandom
 
     from megapatch.testing import cpu_workarounds, workarounds_active
-    from megapatch.testing.stand_ins.cpu_compat import WORKAROUNDS, _resolve
+    from megapatch.testing.stand_ins.cpu_compat import WORKAROUNDS
+    from megapatch.testing.stand_ins.replacements import _resolve
 
     absent = object()  # an attribute a stand-in creates (moe_utils.te_general_gemm without TE)
 

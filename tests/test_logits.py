@@ -26,7 +26,7 @@ def _integer_exact(ctx, ks, gather_output):
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megapatch.testing import gather_tp_logits
-    from megapatch.patches.logits import lm_head
+    from megapatch.patches.logits._lm_head import lm_head
 
     found = []
     for k in ks:
@@ -293,7 +293,7 @@ def test_the_marked_layer_must_run_or_the_model_call_fails():
 
 
 def _unmarked_call(ctx):
-    from megapatch.patches.logits import lm_head
+    from megapatch.patches.logits._lm_head import lm_head
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
 
     megapatch.enable(logits_dtype="fp32")
@@ -372,7 +372,7 @@ def _frozen_head(ctx):
     """LinearWithFrozenWeight path (frozen output weight): same dgrad given the same BF16 gradient."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
-    from megapatch.patches.logits import lm_head
+    from megapatch.patches.logits._lm_head import lm_head
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8,
                                tensor_model_parallel_size=ctx.tp_size, params_dtype=torch.bfloat16,
@@ -409,7 +409,7 @@ def test_lm_head_holds_a_native_output_dtype_at_none_for_the_call_and_restores_i
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megapatch.core import options, state
-    from megapatch.patches import logits
+    from megapatch.patches.logits import _lm_head as logits
 
     monkeypatch.setattr(state, "_current", options.Settings(logits_dtype="fp32"))
     native = bare_module(ColumnParallelLinear)  # the attributes lm_head reads, no process group
@@ -563,7 +563,7 @@ def test_a_model_logit_dtype_other_than_fp32_is_refused_naming_both_settings(mon
 
     from megapatch.core import options, state
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import logits
+    from megapatch.patches.logits import _lm_head as logits
 
     monkeypatch.setattr(state, "_current", options.Settings(logits_dtype="fp32"))
     monkeypatch.setattr(state, "_sources", {"logits_dtype": "env MEGAPATCH_LOGITS_DTYPE"})
@@ -702,7 +702,7 @@ def test_the_linear_apply_wrapper_asks_for_fp32_only_inside_a_request_and_only_o
 def test_the_head_path_says_which_device_and_whether_upstream_has_its_own_output_dtype(monkeypatch):
     from types import SimpleNamespace
 
-    from megapatch.patches import logits
+    from megapatch.patches.logits import _lm_head as logits
 
     assert logits._device_type(SimpleNamespace(weight=torch.empty(2, device="meta"))) == "meta"
     for available, default in ((True, "cuda"), (False, "cpu")):
@@ -728,7 +728,7 @@ def test_model_construction_refuses_only_under_fp32_logits_and_only_a_model_with
 
     from megapatch.core import options, state
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import logits
+    from megapatch.patches.logits import _lm_head as logits
 
     built = []
     construct = lambda *a, **k: built.append((a, k))  # noqa: E731

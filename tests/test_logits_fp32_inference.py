@@ -234,7 +234,7 @@ def test_the_pipeline_forward_returns_the_models_fp32_logits_of_every_micro_batc
     model ran them; a stage that is not the last (no logits, or none from the model) returns
     upstream's value; a shape that does not match upstream's is refused."""
     from megapatch.core.errors import UpstreamSurfaceError
-    from megapatch.patches import logits_fp32_inference as patch
+    from megapatch.patches.logits import fp32_inference as patch
 
     first, second = torch.arange(6.0).view(1, 2, 3), -torch.arange(6.0).view(1, 2, 3) - 1
     model = lambda logits: patch._forward(lambda: logits, None, (), {})  # noqa: E731
@@ -265,7 +265,7 @@ def test_the_logits_broadcast_is_asked_for_fp32_with_every_other_argument_passed
     """``broadcast_from_last_pipeline_stage(size, dtype, tensor=None, pp_group=...)``: a BF16/FP16
     request (positional or keyword) becomes FP32 and the sender's tensor FP32; any other dtype,
     and megapatch's logits native, are upstream's call as made."""
-    from megapatch.patches import logits_fp32_inference as patch
+    from megapatch.patches.logits import fp32_inference as patch
 
     calls = []
     upstream = lambda *args, **kwargs: calls.append((args, kwargs)) or "received"  # noqa: E731
@@ -292,7 +292,7 @@ def test_the_logits_broadcast_is_asked_for_fp32_with_every_other_argument_passed
 def test_the_dynamic_engines_logits_buffers_are_reallocated_in_fp32_only_when_low_precision(monkeypatch):
     import types
 
-    from megapatch.patches import logits_fp32_inference as patch
+    from megapatch.patches.logits import fp32_inference as patch
 
     def controller(buffer):
         return types.SimpleNamespace(_all_logits_cuda=buffer, other=torch.zeros(2, dtype=torch.bfloat16))
@@ -334,13 +334,13 @@ class _Allocates:
 
 
 def test_the_buffer_probe_reads_which_attributes_are_allocated_in_the_models_dtype():
-    from megapatch.patches.logits_fp32_inference import _dtype_allocations
+    from megapatch.patches.logits.fp32_inference import _dtype_allocations
 
     assert _dtype_allocations(_Allocates) == {"direct": "self.config.params_dtype", "through_alias": "alias"}
 
 
 def test_the_probe_says_what_it_cannot_read_or_does_not_know(monkeypatch):
-    from megapatch.patches import logits_fp32_inference as patch
+    from megapatch.patches.logits import fp32_inference as patch
 
     assert patch._probe() is None
     monkeypatch.setattr(patch, "_dtype_allocations", lambda cls: {"_all_logits_cuda": "dt", "_draft": "dt"})

@@ -395,14 +395,14 @@ def test_a_refusal_reads_as_one_line_per_rank_before_the_first_step(checkout):
     job when the model is built: the whole message once (rank 0), a short line on rank 1, no
     traceback through the script's or megapatch's frames (it once printed three per rank), no
     iteration."""
-    from megapatch.patches.tp_invariant import _REFUSED_CONFIG
+    from megapatch.patches.tp_invariant._refusal_tables import REFUSED_CONFIG
 
     _tp_invariant_revision(checkout)
     run, _ = _run(checkout, "tp2-invariant-cross-entropy-fusion",
                   mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=("--cross-entropy-loss-fusion",)),
                   nproc=2, megapatch_env={"MEGAPATCH_TP_INVARIANT": "1"})
     assert run.returncode != 0 and not run.losses, run.tail()
-    _, flag, why = _REFUSED_CONFIG["cross_entropy_loss_fusion"]
+    _, flag, why = REFUSED_CONFIG["cross_entropy_loss_fusion"]
     full = (f"megapatch: UnsupportedConfigurationError: megapatch tp_invariant=True does not support "
             f"cross_entropy_loss_fusion=True (Megatron-LM: {flag}): {why}. tp_invariant was set by "
             f"MEGAPATCH_TP_INVARIANT=1 in the environment; unset MEGAPATCH_TP_INVARIANT to change it.")
@@ -622,7 +622,8 @@ def test_launcher_stand_ins_restore_everything_and_only_report_types():
 
     result = run_python("""
         import torch
-        from megapatch.testing.stand_ins.cpu_compat import CpuSideStream, cpu_workarounds
+        from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
+        from megapatch.testing.stand_ins.cpu_streams import CpuSideStream
         from megapatch.testing.stand_ins.megatron_lm_compat import megatron_lm_workarounds, WORKAROUNDS
         names = [w.attr for w in WORKAROUNDS if w.module == "torch.cuda"]
         before = {n: getattr(torch.cuda, n) for n in names}

@@ -1,4 +1,4 @@
-"""FP32 sums in megatron-core's mixture-of-experts layers (patches/tp_reduce_moe.py), on real
+"""FP32 sums in megatron-core's mixture-of-experts layers (patches/tp_reduce/moe.py), on real
 megatron-core MoE layers run on CPU ranks (the labelled stand-ins of
 megapatch/testing/stand_ins/moe_cpu.py), against independent oracles: the same model at TP=1
 (the layout without TP partials), the same weights run in FP32, plain torch hooks."""
@@ -273,7 +273,7 @@ def test_the_probe_refuses_a_dispatcher_that_no_longer_casts_by_the_swapped_attr
                                                                                      renamed, where):
     import inspect
 
-    from megapatch.patches import tp_reduce_moe
+    from megapatch.patches.tp_reduce import moe as tp_reduce_moe
 
     _needs_fp32_reductions()
     assert tp_reduce_moe._probe() is None
@@ -294,7 +294,8 @@ def test_te_routed_experts_are_marked_and_what_fp32_does_not_reach_is_refused_na
 
     import megapatch
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import _common, tp_reduce_moe
+    from megapatch.patches.tp_reduce import _reduction
+    from megapatch.patches.tp_reduce import moe as tp_reduce_moe
 
     _needs_fp32_reductions()
     config = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
@@ -315,7 +316,7 @@ def test_te_routed_experts_are_marked_and_what_fp32_does_not_reach_is_refused_na
     try:
         routed = experts()
         tp_reduce_moe._mark(types.SimpleNamespace(config=config, experts=routed, shared_experts=None))
-        assert getattr(routed.local_experts[0].linear_fc2, _common.MOE_FP32_SUM, False)
+        assert getattr(routed.local_experts[0].linear_fc2, _reduction.MOE_FP32_SUM, False)
         for layer, named in (
                 ((experts(bias=True), None), "experts.local_experts.0.linear_fc2: a Transformer Engine expert fc2 "
                                              "with a bias (Megatron-LM: --disable-bias-linear)"),
@@ -346,7 +347,7 @@ def test_the_probabilities_are_swapped_for_fp32_only_around_an_fp32_sum_of_low_p
     its own tensor back afterwards, also when the call raises."""
     import types
 
-    from megapatch.patches.tp_reduce_moe import _probs_as_fp32
+    from megapatch.patches.tp_reduce.moe import _probs_as_fp32
 
     probs = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
     fp32_out, bf16_out = torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)
@@ -377,7 +378,7 @@ def test_the_moe_layer_rounds_its_fp32_sum_once_to_its_input_dtype_and_refuses_a
     import types
 
     from megapatch.core.errors import UpstreamSurfaceError
-    from megapatch.patches import tp_reduce_moe
+    from megapatch.patches.tp_reduce import moe as tp_reduce_moe
 
     marked = []
     monkeypatch.setattr(tp_reduce_moe, "_mark", marked.append)
@@ -406,7 +407,7 @@ def test_construction_refuses_before_upstream_builds_and_marks_after_and_only_un
     import types
 
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_reduce_moe
+    from megapatch.patches.tp_reduce import moe as tp_reduce_moe
 
     built, marked = [], []
     monkeypatch.setattr(tp_reduce_moe, "_mark", marked.append)
@@ -431,7 +432,7 @@ def test_construction_refuses_before_upstream_builds_and_marks_after_and_only_un
 def test_the_preflight_names_each_moe_path_fp32_does_not_reach_and_nothing_for_a_dense_model():
     import types
 
-    from megapatch.patches.tp_reduce_moe import _preflight
+    from megapatch.patches.tp_reduce.moe import _preflight
 
     def config(**fields):
         return types.SimpleNamespace(**{"num_moe_experts": 8, "moe_token_dispatcher_type": "alltoall",
@@ -459,8 +460,8 @@ def test_every_fc2_of_the_experts_and_shared_experts_is_marked_and_nothing_else(
 
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
-    from megapatch.patches._common import MOE_FP32_SUM
-    from megapatch.patches.tp_reduce_moe import _mark
+    from megapatch.patches.tp_reduce._reduction import MOE_FP32_SUM
+    from megapatch.patches.tp_reduce.moe import _mark
 
     def mlp():
         module = torch.nn.Module()
@@ -505,7 +506,7 @@ def test_the_dispatcher_wrappers_read_the_expert_outputs_by_position_or_keyword(
     argument may come by keyword; the FP32 swap follows it either way."""
     import types
 
-    from megapatch.patches import tp_reduce_moe
+    from megapatch.patches.tp_reduce import moe as tp_reduce_moe
 
     _settings(monkeypatch, "fp32")
     probs = torch.tensor([0.25, 0.75], dtype=torch.bfloat16)

@@ -43,11 +43,11 @@ def _run_refusal(config):
     """What the construction check (``TransformerBlock.__init__``'s wrapper) raises for ``config``."""
     import megapatch
     from megapatch.core.errors import MegapatchError
-    from megapatch.patches import tp_invariant
+    from megapatch.patches.tp_invariant import construction
 
     megapatch.enable(tp_invariant=True)
     try:
-        tp_invariant._check_config(config)
+        construction._check_config(config)
     except MegapatchError as exc:
         return str(exc)
     finally:
@@ -93,9 +93,9 @@ def _flags_with(change):
 def test_every_entry_of_the_moe_refusal_table_is_checked_here():
     """A misspelt key (``moe_router_force_load_balancng``) reads a field no config has and refuses
     nothing; a new entry needs its row above."""
-    from megapatch.patches.tp_invariant import _MOE_REFUSED
+    from megapatch.patches.tp_invariant._refusal_tables import MOE_REFUSED
 
-    assert sorted(_MOE_REFUSED) == sorted(MOE_TABLE)
+    assert sorted(MOE_REFUSED) == sorted(MOE_TABLE)
 
 
 def test_the_covered_job_is_refused_by_neither(monkeypatch):
@@ -193,7 +193,7 @@ def _upstream_refuses_grouped_gemm() -> bool:
 @pytest.mark.parametrize("mode", ["MEGAPATCH_TP_INVARIANT", "MEGAPATCH_TP_REDUCE_DTYPE", None])
 def test_where_upstream_stops_an_moe_job_first_the_doctor_says_so_before_any_megapatch_reason(
         monkeypatch, extra, cause, upstream, mode):
-    from megapatch.commands.doctor import render_doctor
+    from megapatch.commands.doctor_text import render_doctor
 
     if not upstream():
         pytest.skip("upstream runs this job here (CUDA or Transformer Engine present)")
@@ -216,7 +216,8 @@ def test_a_covered_expert_parallel_job_does_not_stop(monkeypatch):
 # -- megapatch status: each MoE patch's coverage and refusals ---------------------------------------
 
 def _status(monkeypatch, **env):
-    from megapatch.commands.doctor import render_status, survey
+    from megapatch.commands.doctor import survey
+    from megapatch.commands.doctor_text import render_status
 
     import megatron.core  # noqa: F401 -- activation "not observed": no finding
 
@@ -268,18 +269,18 @@ def test_any_data_parallel_size_is_taken_with_experts_and_only_the_no_ddp_tree_n
     from megatron.core import parallel_state
 
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.numerics import block_tree
-    from megapatch.patches import tp_invariant
+    from megapatch.numerics import gradient_terms
+    from megapatch.patches.tp_invariant import _parallel_state
 
     monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda *a, **k: dp)
     monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda *a, **k: 1)
     monkeypatch.setattr(parallel_state, "get_expert_data_parallel_group", lambda *a, **k: None)
     megapatch.enable(tp_invariant=True)
     try:
-        assert tp_invariant._data_parallel() == (1, dp, None)
-        sources = block_tree.TokenSources((4,), (1,), None, dp)
+        assert _parallel_state.data_parallel() == (1, dp, None)
+        sources = gradient_terms.TokenSources((4,), (1,), None, dp)
         with pytest.raises(UnsupportedConfigurationError) as caught:
-            block_tree.source_terms(torch.nn.Parameter(torch.zeros(2)), [torch.ones(2)], sources, torch.bfloat16)
+            gradient_terms.source_terms(torch.nn.Parameter(torch.zeros(2)), [torch.ones(2)], sources, torch.bfloat16)
     finally:
         megapatch.disable()
     message = str(caught.value)
@@ -295,7 +296,7 @@ def _top_k_calls(tp: int, rank: int, sp: bool, seq: int = SEQ):
     """The rows each top-k call of the router sees on ``rank`` of TP ``tp`` (``sp``: sequence
     parallelism splits the sequence), through the mode's routing and per-block wrappers."""
     import megapatch
-    from megapatch.patches import tp_invariant
+    from megapatch.patches.tp_invariant import _router
 
     whole = torch.arange(seq * BATCH * EXPERTS, dtype=torch.float32).view(seq, BATCH, EXPERTS)
     mine = whole.chunk(tp)[rank] if sp else whole
@@ -307,11 +308,11 @@ def _top_k_calls(tp: int, rank: int, sp: bool, seq: int = SEQ):
         return logits, logits > 0
 
     def routing(logits):  # upstream's TopKRouter.routing: flattens [s, b, E] then calls top-k
-        return tp_invariant._per_token_blocks(top_k, None, (logits.view(-1, EXPERTS), 2), {})
+        return _router.per_token_blocks(top_k, None, (logits.view(-1, EXPERTS), 2), {})
 
     megapatch.enable(tp_invariant=True)
     try:
-        tp_invariant._router_routing(lambda logits: routing(logits), router, (mine,), {})
+        _router.router_routing(lambda logits: routing(logits), router, (mine,), {})
     finally:
         megapatch.disable()
     return calls, whole.view(-1, EXPERTS)
@@ -352,8 +353,9 @@ def test_a_qk_layernorm_bias_gradient_sums_its_heads_in_the_fixed_tree(heads):
     from an FP64 sum per leaf), not a sum over token blocks. Planted leaf totals whose FP32 sum
     depends on the order, each leaf's halves on two tokens and two of its heads."""
     import megapatch
-    from megapatch.numerics.block_tree import _token_tree, tree_sum
-    from megapatch.patches import tp_invariant
+    from megapatch.numerics.block_tree import tree_sum
+    from megapatch.numerics.token_tree import _token_tree
+    from megapatch.patches.tp_invariant import _norms
 
     w, s, b, d = 8, 4, 2, 3
     per_leaf = heads // w
@@ -370,7 +372,7 @@ def test_a_qk_layernorm_bias_gradient_sums_its_heads_in_the_fixed_tree(heads):
     hidden = torch.randn(s, b, heads, d)
     megapatch.enable(tp_invariant=True)
     try:
-        tp_invariant._token_blocked_norm(norm, heads=True)
+        _norms.token_blocked_norm(norm, heads=True)
         norm(hidden).backward(grad)
     finally:
         megapatch.disable()

@@ -11,7 +11,7 @@
    together by the test's own reading of TE's sharding. Sizes are distinct and not square, every
    input row carries a ramp over its sequence position, so a wrong transpose, a swapped shard or a
    mis-ordered sequence chunk is an error of order 1.
-2. ``tp_reduce_dtype="fp32"`` through the existing patch (``patches/tp_reduce_transformer_engine.py``):
+2. ``tp_reduce_dtype="fp32"`` through the existing patch (``patches/tp_reduce/transformer_engine.py``):
    row-parallel ``te.Linear`` and ``te.LayerNormMLP`` (its fc2 is row-parallel) at TP 2 and 4, SP
    and not, with partial sums that cancel across ranks (each rank's partial carries +-L, L large):
    natively each BF16 partial is rounded before the sum, losing the small part; under ``fp32`` the
@@ -388,7 +388,7 @@ def test_fused_adam_step_matches_a_float64_adam_step(mode):
     """tex.multi_tensor_adam (TE's FusedAdam, Megatron-LM's optimizer where TE is installed) against
     the Adam/AdamW step in float64: one step from non-zero moments at step 3, FP32 params in place,
     and with FP32 master params beside BF16 params (the params get the master's update rounded)."""
-    from megapatch.testing.stand_ins.te_runtime import multi_tensor_adam
+    from megapatch.testing.stand_ins.te_cpu_optimizer import multi_tensor_adam
 
     g = torch.Generator().manual_seed(9)
     grad, param, m, v = (torch.randn(7, 5, generator=g) for _ in range(4))
@@ -412,7 +412,8 @@ def test_fused_adam_step_matches_a_float64_adam_step(mode):
 
 
 def test_unsupported_paths_are_refused_by_name():
-    from megapatch.testing.stand_ins.te_runtime import NotOnCpuRuntime, te_cpu_runtime
+    from megapatch.testing.stand_ins.te_cpu_refusals import NotOnCpuRuntime
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
 
     with te_cpu_runtime():
         import transformer_engine.pytorch as te

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megapatch.te_check import verdict, wiring
-from megapatch.patches import tp_reduce_transformer_engine as SPEC
+from megapatch.patches.tp_reduce import transformer_engine as SPEC
 from conftest import run_python
 
 
@@ -71,7 +71,7 @@ def test_a_cached_verdict_never_imports_the_checker(te_tree, tmp_path):
     code = """
         import sys
         from megapatch.te_check import verdict
-        from megapatch.patches import tp_reduce_transformer_engine as spec
+        from megapatch.patches.tp_reduce import transformer_engine as spec
         print(repr(verdict.installed_problem(spec)), "megapatch.te_check.wiring" in sys.modules)
     """
     first = run_python(code, env=env)  # the real checker: the stand-in tree is not wired as TE is

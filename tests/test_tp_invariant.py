@@ -172,14 +172,14 @@ def _planted_gated_dgrad(config, shard):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megapatch.core.scope import scoped
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _marks
 
     fc1 = ColumnParallelLinear(16, 32, config=config, init_method=None, bias=False, gather_output=False)
     gate, up = planted((32, 16), 5).chunk(2)
     with torch.no_grad():
         fc1.weight.copy_(torch.cat([gate[shard], up[shard]]))
     x = torch.ones(8, 1, 16, dtype=torch.bfloat16, requires_grad=True)
-    with scoped(patch._gated_fc1, fc1):
+    with scoped(_marks.gated_fc1, fc1):
         out = fc1(x)[0]
     grad_gate, grad_up = signs((8, 1, 32), 6).chunk(2, dim=-1)
     out.backward(torch.cat([grad_gate[..., shard], grad_up[..., shard]], dim=-1).to(torch.bfloat16))
@@ -388,20 +388,19 @@ def test_releases_before_the_verified_one_are_refused_naming_both(monkeypatch):
     """Below megatron-core 0.16 the mode refuses (the matrix found 0.14.0's Llama-shaped models not
     invariant although every surface check passed); 0.16 on, and an unknown version, it applies."""
     from megapatch.core import upstream_versions
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _mode
 
     for version, refused in (("0.14.0", True), ("0.15.3", True), ("0.16.0rc0", False), ("0.16.1", False),
                              ("0.20.0rc0", False), (None, False)):
         monkeypatch.setattr(upstream_versions, "version_of", lambda package, v=version: v)
-        reason = patch._verified_upstream()
+        reason = _mode.tp_invariant_verified_upstream()
         assert (reason is not None) == refused, (version, reason)
         if refused:
             assert f"megatron-core >= 0.16 only, and {version} is installed" in reason
-    assert all(p.probe is patch._verified_upstream for p in patch.PATCHES)
-    from megapatch.patches import tp_invariant_data_parallel, tp_invariant_loss_scale
+    from megapatch.core import registry
 
-    for module in (tp_invariant_data_parallel, tp_invariant_loss_scale):  # the mode's layout patches too
-        assert all(p.probe is patch._verified_upstream for p in module.PATCHES), module.__name__
+    records = [p for p in registry.discover() if p.name.startswith("tp_invariant.")]
+    assert len(records) >= 16 and all(p.probe is _mode.tp_invariant_verified_upstream for p in records), records
 
 
 def test_several_distributed_optimizer_instances_are_refused_before_it_is_built():
@@ -434,7 +433,7 @@ def test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracl
     under the mode its forward never reaches apex (absent here: upstream's forward would fail),
     and output and weight/bias gradients match a float64 oracle (zero-centred gamma: w + 1)."""
     import megapatch
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _norms
     from megatron.core.fusions import fused_layer_norm
     from megatron.core.transformer import TransformerConfig
 
@@ -452,7 +451,7 @@ def test_fused_layer_norm_runs_without_apex_under_the_mode_against_an_fp64_oracl
     grad = torch.cos(torch.arange(16 * 2 * 16, dtype=torch.float32).view(16, 2, 16) * 0.11).to(torch.bfloat16)
     megapatch.enable(tp_invariant=True)
     try:
-        patch._token_blocked_norm(norm)
+        _norms.token_blocked_norm(norm)
         out = norm(x)
         out.backward(grad)
     finally:
@@ -489,12 +488,13 @@ def test_tree_sum_adds_adjacent_pairs_level_by_level():
 @pytest.mark.parametrize("heads", [16, 8, 2])
 def test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size(heads):
     """A QK norm's weight gradient on TP rank r covers heads [r n/t, (r+1) n/t) of the model's n.
-    Its W = 8 leaves (``block_tree._head_leaves``): n/W heads each (n = 16, 8), or one head then
+    Its W = 8 leaves (``token_tree.head_leaves``): n/W heads each (n = 16, 8), or one head then
     W/n - 1 zero leaves (n = 2). Planted leaf totals (+-2^24, 1, 3), each gradient times its token's
     normalised input (0.5, 1.5: the weight gradient is the product's sum), whose FP32 sum depends on the
     order: the ranks' leaves, in rank order, must add up to the fixed tree over the model's
     leaves, computed here from an exact (FP64) sum per leaf, at every TP size the heads allow."""
-    from megapatch.numerics.block_tree import _head_leaves, tree_sum
+    from megapatch.numerics.block_tree import tree_sum
+    from megapatch.numerics.token_tree import head_leaves
 
     w, s, b, d = 8, 4, 2, 3
     per_leaf = max(heads // w, 1)
@@ -513,7 +513,7 @@ def test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size(hea
         assert not torch.equal(oracle, sum(exact[1:], exact[0])), "the order must matter for this test"
     for t in (t for t in (1, 2, 4, 8) if heads % t == 0):
         n = heads // t
-        ranks = [_head_leaves(grad[:, :, r * n:(r + 1) * n], factor[:, :, r * n:(r + 1) * n], w // t)
+        ranks = [head_leaves(grad[:, :, r * n:(r + 1) * n], factor[:, :, r * n:(r + 1) * n], w // t)
                  for r in range(t)]
         assert all(len(mine) == w // t for mine in ranks)
         assert torch.equal(tree_sum([leaf for mine in ranks for leaf in mine]), oracle), (heads, t)
@@ -521,10 +521,10 @@ def test_a_qk_norm_gradient_sums_its_heads_in_the_same_tree_at_every_tp_size(hea
 
 def test_a_qk_norm_whose_head_count_the_width_cannot_cut_is_refused_naming_both():
     from megapatch.core.errors import OptionError
-    from megapatch.numerics.block_tree import _head_leaves
+    from megapatch.numerics.token_tree import head_leaves
 
     with pytest.raises(OptionError, match="12 heads per rank.*tp_invariant_width=8"):
-        _head_leaves(torch.zeros(2, 1, 12, 4), None, 8)
+        head_leaves(torch.zeros(2, 1, 12, 4), None, 8)
 
 
 class _Group:
@@ -677,6 +677,9 @@ def test_a_micro_batch_hands_the_exact_sum_one_weight_gradient_term_per_sequence
     (the oracle: separate backward passes), for the column- and row-parallel linears (weight and
     bias) and a norm's affine weight. Without a sink the micro-batch's whole gradient comes back."""
     from megapatch.numerics import block_tree
+    from megapatch.numerics import block_linear
+    from megapatch.numerics import gradient_terms
+    from megapatch.numerics import token_tree
 
     monkeypatch.setattr(block_tree, "active", lambda: True)
     monkeypatch.setattr(block_tree, "width", lambda: 4)
@@ -689,9 +692,9 @@ def test_a_micro_batch_hands_the_exact_sum_one_weight_gradient_term_per_sequence
     weight_r = torch.nn.Parameter(torch.randn(k, n, generator=torch.Generator().manual_seed(3)).bfloat16())
     norm_w = torch.nn.Parameter(torch.randn(k, generator=torch.Generator().manual_seed(4)).bfloat16())
     layers = {
-        "column": ((weight_c, bias_c), lambda x_, w, bias: block_tree.ColumnParallel.apply(x_, w, bias, None, False, 4)),
-        "row": ((weight_r,), lambda x_, w: block_tree.RowParallel.apply(x_, w, None, 4)),
-        "norm": ((norm_w,), lambda x_, w: block_tree.TokenBlockedAffine.apply(x_.float(), w, None, None, 4, False,
+        "column": ((weight_c, bias_c), lambda x_, w, bias: block_linear.ColumnParallel.apply(x_, w, bias, None, False, 4)),
+        "row": ((weight_r,), lambda x_, w: block_linear.RowParallel.apply(x_, w, None, 4)),
+        "norm": ((norm_w,), lambda x_, w: token_tree.TokenBlockedAffine.apply(x_.float(), w, None, None, 4, False,
                                                                                 torch.bfloat16)),
     }
     for name, (params, layer) in layers.items():
@@ -708,12 +711,12 @@ def test_a_micro_batch_hands_the_exact_sum_one_weight_gradient_term_per_sequence
         whole_oracle = backward(inputs, grad_out)  # no sink: the micro-batch's own sum
         deposited = {id(p): [] for p in params}
         for p in params:
-            setattr(p, block_tree.SEQUENCE_TERMS, deposited[id(p)].extend)
+            setattr(p, gradient_terms.SEQUENCE_TERMS, deposited[id(p)].extend)
         try:
             returned = backward(inputs, grad_out)
         finally:
             for p in params:
-                delattr(p, block_tree.SEQUENCE_TERMS)
+                delattr(p, gradient_terms.SEQUENCE_TERMS)
         for j, p in enumerate(params):
             assert torch.equal(returned[j], alone[0][j]), (name, j)
             assert len(deposited[id(p)]) == b - 1, (name, j)

@@ -53,7 +53,7 @@ def _trainer(q, k, v, heads=HEADS):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
 
-    from megapatch.patches import tp_invariant_attention as patch
+    from megapatch.patches.tp_invariant import attention as patch
 
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
@@ -81,7 +81,7 @@ def _engine(q_rows, k, v, lengths, decode: bool):
     a paged cache of ``BLOCK``-token blocks (upstream's call: flash-attn's stand-in where the mode is off)."""
     from megatron.core.transformer import attention as attention_module
 
-    from megapatch.patches import tp_invariant_engine_attention as patch
+    from megapatch.patches.tp_invariant import engine_attention as patch
     from megapatch.testing.stand_ins import dynamic_inference_compat as stand_in
 
     pages = -(-SEQ // BLOCK)
@@ -167,12 +167,12 @@ def test_a_tp1_models_norm_uses_its_own_tp_group_not_the_trainers(mode_on):
     its norm splits tokens over *its* TP group (one rank: nothing split), so an engine's dummy
     forward of one token runs; over the trainer's two-rank group it would be refused."""
     from megapatch.core.errors import OptionError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _norms
 
     def norm(group):
         module = torch.nn.RMSNorm(8, eps=1e-6)
         module.weight.sequence_parallel = True
-        patch._token_blocked_norm(module, False, group)
+        _norms.token_blocked_norm(module, False, group)
         return module
 
     hidden = torch.randn(1, 1, 8).bfloat16()

@@ -182,7 +182,8 @@ def test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_
     import types
 
     import megapatch
-    from megapatch.patches import tp_invariant
+    from megapatch.core.scope import scoped
+    from megapatch.patches.tp_invariant import _router
 
     calls = []
 
@@ -194,20 +195,20 @@ def test_top_k_routing_runs_once_per_token_block_with_the_same_rows_at_every_tp_
     mask = torch.arange(32) % 3 == 0
     megapatch.enable(tp_invariant=True)
     try:
-        with tp_invariant.scoped(tp_invariant._router_blocks, 8):
-            probs, chosen = tp_invariant._per_token_blocks(routing, None, (logits, 2), {})
+        with scoped(_router._router_blocks, 8):
+            probs, chosen = _router.per_token_blocks(routing, None, (logits, 2), {})
             assert [c.shape[0] for c, _ in calls] == [4] * 8 and torch.equal(torch.cat([c for c, _ in calls]), logits)
             assert torch.equal(probs, logits * 2) and torch.equal(chosen, logits > 40)
             calls.clear()
-            _, masked = tp_invariant._per_token_blocks(routing, None, (logits, 2), {"padding_mask": mask})
+            _, masked = _router.per_token_blocks(routing, None, (logits, 2), {"padding_mask": mask})
             assert torch.equal(masked[:, 0], mask) and len(calls) == 8
             calls.clear()
             replay = types.SimpleNamespace(router_replay_action=None)  # built in, no action: blocks
-            tp_invariant._per_token_blocks(routing, None, (logits, 2), {"router_replay": replay})
+            _router.per_token_blocks(routing, None, (logits, 2), {"router_replay": replay})
             assert len(calls) == 8
             calls.clear()
             replay.router_replay_action = "record"
-            tp_invariant._per_token_blocks(routing, None, (logits, 2), {"router_replay": replay})
+            _router.per_token_blocks(routing, None, (logits, 2), {"router_replay": replay})
             assert len(calls) == 1
     finally:
         megapatch.disable()
@@ -221,14 +222,16 @@ def test_expert_gemms_run_per_source_data_parallel_rank_and_their_wgrad_adds_the
     rank order, whatever order the rows arrived in. Planted: partials 1, -1, 2^-24, 2^-24 from DP
     ranks 0..3 give (1 + -1) + (2^-24 + 2^-24) = 2^-23 in rank order, 2^-24 in arrival order."""
     from megapatch.numerics import block_tree as tpi
+    from megapatch.numerics import block_linear
+    from megapatch.numerics import gradient_terms
 
     shapes = []
     real = tpi.product
     monkeypatch.setattr(tpi, "product", lambda a, b: shapes.append(tuple(a.shape)) or real(a, b))
     x = torch.ones(6, 16)
     weight = torch.randn(4, 16, requires_grad=True)
-    sources = tpi.TokenSources(counts=(1, 2, 1, 2), leaves=(0, 2, 1, 3), group=None, total=4)
-    out = tpi.ColumnParallel.apply(x, weight, None, None, False, 2, None, 1, False, sources)
+    sources = gradient_terms.TokenSources(counts=(1, 2, 1, 2), leaves=(0, 2, 1, 3), group=None, total=4)
+    out = block_linear.ColumnParallel.apply(x, weight, None, None, False, 2, None, 1, False, sources)
     assert {rows for rows, _ in shapes} == {tpi.MIN_TOKEN_ROWS} and len(shapes) == 2 * 4  # 2 column blocks x 4 sources
     per_row = torch.tensor([1.0, 2.0 ** -25, 2.0 ** -25, -1.0, 2.0 ** -25, 2.0 ** -25])  # by source: 1, 2^-24, -1, 2^-24
     out.backward(per_row[:, None].expand_as(out).contiguous())
@@ -240,20 +243,22 @@ def test_an_expert_rows_forward_bits_do_not_depend_on_how_many_rows_its_source_s
     rollout's decode step sends an expert a few rows a source, the trainer's micro-batch many (CPU
     FP32 GEMMs give a row other bits at 1-3, 5-7 and 9-11 rows: the precondition)."""
     from megapatch.numerics import block_tree as tpi
+    from megapatch.numerics import block_linear
+    from megapatch.numerics import gradient_terms
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(64, 96, generator=gen)  # FP32 activations: BF16 outputs would round most differences away
     fc1 = torch.randn(128, 96, generator=gen).bfloat16()  # column blocks of 16 outputs (W 8)
     fc2 = torch.randn(96, 128, generator=gen).bfloat16()
-    few = tpi.TokenSources(counts=(1, 2, 3, 58), leaves=(0, 1, 2, 3), group=None, total=4)
-    one = tpi.TokenSources(counts=(64,), leaves=(0,), group=None, total=4)
+    few = gradient_terms.TokenSources(counts=(1, 2, 3, 58), leaves=(0, 1, 2, 3), group=None, total=4)
+    one = gradient_terms.TokenSources(counts=(64,), leaves=(0,), group=None, total=4)
     w = tpi.operand(fc1[:16]).t()
     assert any(not torch.equal(tpi.product(tpi.operand(x[:r]), w), tpi.product(tpi.operand(x), w)[:r])
                for r in (1, 2, 3))
     with torch.no_grad():
         for sources in (few, one):
-            col = tpi.ColumnParallel.apply(x, fc1, None, None, False, 8, None, 1, False, sources)
-            row = tpi.RowParallel.apply(col, fc2, None, 8, False, sources)
+            col = block_linear.ColumnParallel.apply(x, fc1, None, None, False, 8, None, 1, False, sources)
+            row = block_linear.RowParallel.apply(col, fc2, None, 8, False, sources)
             if sources is few:
                 col_few, row_few = col, row
     assert torch.equal(col_few, col) and torch.equal(row_few, row)
@@ -282,13 +287,13 @@ def test_expert_squares_are_added_in_layer_expert_parameter_order(monkeypatch):
     every layer, then EP rank 1's)."""
     from megatron.core import parallel_state
 
-    from megapatch.patches import tp_invariant
+    from megapatch.patches.tp_invariant import grad_norm
 
     monkeypatch.setattr(parallel_state, "get_expert_model_parallel_group", lambda: None)
     keys = [None, (0, 0, 0), (1, 0, 0), (0, 1, 0), None, (1, 1, 0)]
     squares = torch.arange(6, dtype=torch.float32)
-    assert [float(v) for v in tp_invariant._expert_squares(squares, keys)] == [1.0, 3.0, 2.0, 5.0]
-    assert tp_invariant._expert_squares(squares, [None] * 6) == []
+    assert [float(v) for v in grad_norm._expert_squares(squares, keys)] == [1.0, 3.0, 2.0, 5.0]
+    assert grad_norm._expert_squares(squares, [None] * 6) == []
 
 
 @pytest.mark.parametrize("local,first", [(3, 3), (4, 4), (2, 0)])
@@ -298,14 +303,14 @@ def test_each_expert_parameter_is_keyed_by_layer_global_expert_and_parameter(loc
     make it other than a bit-or) and the parameter's position in its expert."""
     from types import SimpleNamespace
 
-    from megapatch.patches import tp_invariant
+    from megapatch.patches.tp_invariant import _experts, _marks
 
     experts = [torch.nn.Linear(2, 2) for _ in range(local)]
     dispatcher = SimpleNamespace(local_expert_indices=list(range(first, first + local)))
     layer = SimpleNamespace(experts=SimpleNamespace(local_experts=experts), token_dispatcher=dispatcher)
-    tp_invariant._mark_experts("module.decoder.layers.11.mlp", layer)
-    assert getattr(dispatcher, tp_invariant._EXPERTS) == experts
-    keys = [getattr(p, tp_invariant._EXPERT_KEY) for expert in experts for p in expert.parameters()]
+    _experts.mark_experts("module.decoder.layers.11.mlp", layer)
+    assert getattr(dispatcher, _marks.EXPERTS) == experts
+    keys = [getattr(p, _marks.EXPERT_KEY) for expert in experts for p in expert.parameters()]
     assert keys == [(11, first + i, j) for i in range(local) for j in range(2)]
 
 
@@ -330,18 +335,18 @@ def test_the_alltoall_combine_restores_the_row_order_whether_hidden_states_come_
     import types
 
     from megapatch.numerics import block_tree
-    from megapatch.patches import tp_invariant
+    from megapatch.patches.tp_invariant import _experts, _marks
 
     monkeypatch.setattr(block_tree, "active", lambda: True)
     rows = torch.arange(6.0).view(3, 2)
     restore = torch.tensor([2, 0, 1])
     received = []
     upstream = lambda *args, **kwargs: received.append((args, kwargs)) or "combined"  # noqa: E731
-    dispatcher = types.SimpleNamespace(ep_size=2, **{tp_invariant._RESTORE: restore})
+    dispatcher = types.SimpleNamespace(ep_size=2, **{_marks.RESTORE: restore})
     for args, kwargs in (((rows,), {}), ((), {"hidden_states": rows})):
-        assert tp_invariant._alltoall_combine_preprocess(upstream, dispatcher, args, kwargs) == "combined"
+        assert _experts.alltoall_combine_preprocess(upstream, dispatcher, args, kwargs) == "combined"
         (got,), extra = received.pop()
         assert extra == {} and torch.equal(got, rows.index_select(0, restore))
     alone = types.SimpleNamespace(ep_size=1)  # one EP rank: no reordering, upstream's call as made
-    tp_invariant._alltoall_combine_preprocess(upstream, alone, (), {"hidden_states": rows})
+    _experts.alltoall_combine_preprocess(upstream, alone, (), {"hidden_states": rows})
     assert received.pop() == ((), {"hidden_states": rows})

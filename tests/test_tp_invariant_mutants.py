@@ -87,7 +87,7 @@ def test_squared_norms_are_the_fixed_tree_of_every_rows_block_sums(invariant):
 def test_column_parallel_blocks_match_the_oracle(invariant):
     """Forward: one GEMM per block of output features (+ bias), rounded once; dgrad: the tree of
     the blocks' [M, N/W] x [N/W, K] partials; wgrad and bias grad per block."""
-    from megapatch.numerics.block_tree import ColumnParallel
+    from megapatch.numerics.block_linear import ColumnParallel
 
     x = _small((3, 2, 4), 1).bfloat16().requires_grad_()
     weight = _small((16, 4), 2).bfloat16().requires_grad_()  # small: the forward sums are exact
@@ -116,7 +116,7 @@ def test_column_parallel_blocks_match_the_oracle(invariant):
 
 def test_gated_column_parallel_pairs_gate_and_up_rows_in_the_tree(invariant):
     """halves=2 (SwiGLU fc1 [gate; up]): the tree's leaves are gate row b then up row b."""
-    from megapatch.numerics.block_tree import ColumnParallel
+    from megapatch.numerics.block_linear import ColumnParallel
 
     x = torch.tensor([[1.0, 0, 0, 0], [0, 0, 1, 0]], requires_grad=True)  # FP32: an FP32 dgrad
     weight = planted((16, 4), 7).bfloat16()
@@ -130,7 +130,7 @@ def test_gated_column_parallel_pairs_gate_and_up_rows_in_the_tree(invariant):
 
 
 def test_row_parallel_forward_is_the_fixed_tree_and_its_grads_are_per_block(invariant):
-    from megapatch.numerics.block_tree import RowParallel
+    from megapatch.numerics.block_linear import RowParallel
 
     x = signs((3, 2, 16), 11).requires_grad_()  # [S, B, K]; FP32: the tree's result unrounded
     weight = planted((2, 16), 12).bfloat16().requires_grad_()
@@ -180,34 +180,34 @@ def _config(**overrides):
 @pytest.mark.quick("tp_invariant.construction")
 def test_each_uncovered_config_field_is_refused_alone(invariant, field, value, flag):
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _refusal_tables, construction
 
-    assert patch._config_refusals(_config()) == [] and patch._preflight_model(_config()) is None
-    refusals = patch._config_refusals(_config(**{field: value}))
+    assert _refusal_tables.config_refusals(_config()) == [] and construction._preflight_model(_config()) is None
+    refusals = _refusal_tables.config_refusals(_config(**{field: value}))
     assert len(refusals) == 1 and field in refusals[0][0] and flag in refusals[0][0], refusals
     with pytest.raises(UnsupportedConfigurationError, match=f"does not support {field}"):
-        patch._check_config(_config(**{field: value}))
-    assert flag in patch._preflight_model(_config(**{field: value}))
+        construction._check_config(_config(**{field: value}))
+    assert flag in construction._preflight_model(_config(**{field: value}))
 
 
 @pytest.mark.quick("tp_invariant.construction")
 def test_expert_layers_are_covered_and_their_uncovered_fields_refused_only_with_experts(invariant):
     """Issue 26: a MoE model (expert TP = TP) is accepted; its uncovered settings are refused with
     the flag, and the same settings on a dense model are not."""
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _refusal_tables
 
     moe = dict(num_moe_experts=8, moe_ffn_hidden_size=32, expert_tensor_parallel_size=2, add_bias_linear=False,
                moe_token_dispatcher_type="allgather")  # expert parallelism is covered with alltoall only
-    assert patch._config_refusals(_config(**moe)) == []
+    assert _refusal_tables.config_refusals(_config(**moe)) == []
     for field, value, flag in (("expert_model_parallel_size", 2, "--expert-model-parallel-size"),
                                ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type"),
                                ("expert_tensor_parallel_size", 1, "--expert-tensor-parallel-size"),
                                ("add_bias_linear", True, "--disable-bias-linear"),
                                ("moe_ffn_hidden_size", 36, "--moe-ffn-hidden-size")):
-        refusals = patch._config_refusals(_config(**{**moe, field: value}))
+        refusals = _refusal_tables.config_refusals(_config(**{**moe, field: value}))
         assert len(refusals) == 1 and flag in refusals[0][0], (field, refusals)
-        assert patch._config_refusals(_config(**{field: value})) == [], field
-    assert patch._config_refusals(_config(**{**moe, "expert_model_parallel_size": 2,
+        assert _refusal_tables.config_refusals(_config(**{field: value})) == [], field
+    assert _refusal_tables.config_refusals(_config(**{**moe, "expert_model_parallel_size": 2,
                                              "moe_token_dispatcher_type": "alltoall"})) == []
 
 
@@ -216,28 +216,28 @@ def test_qk_layernorm_is_accepted_where_the_width_cuts_its_heads_and_refused_nam
     """QK norm gradients sum over heads as W leaves: W must divide the head (and KV group) count or
     be a multiple of it (W = 8 here)."""
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _refusal_tables, construction
 
     for heads, groups in ((4, None), (16, 8), (16, 2), (8, 4)):
         config = _config(qk_layernorm=True, num_attention_heads=heads, num_query_groups=groups)
-        assert patch._config_refusals(config) == [], (heads, groups)
+        assert _refusal_tables.config_refusals(config) == [], (heads, groups)
     for heads, groups, flag in ((12, 4, "--num-attention-heads"), (16, 6, "--num-query-groups")):
         config = _config(qk_layernorm=True, num_attention_heads=heads, num_query_groups=groups)
-        [(what, why)] = patch._config_refusals(config)
+        [(what, why)] = _refusal_tables.config_refusals(config)
         assert flag in what and "--qk-layernorm" in what and "W=8" in why, (what, why)
         with pytest.raises(UnsupportedConfigurationError, match=flag):
-            patch._check_config(config)
-        assert flag in patch._preflight_model(config)
+            construction._check_config(config)
+        assert flag in construction._preflight_model(config)
 
 
 def test_kv_groups_equal_to_the_tp_size_and_heads_as_groups_are_accepted(invariant):
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _refusal_tables, construction, distributed_optimizer
 
-    assert patch._config_refusals(_config(num_query_groups=2, tensor_model_parallel_size=2)) == []
-    assert patch._config_refusals(_config(num_attention_heads=2, tensor_model_parallel_size=2)) == []
-    assert patch._config_refusals(_config(num_attention_heads=1, tensor_model_parallel_size=2))
-    assert patch._preflight_model(_config(transformer_impl="transformer_engine")) is None  # covered below
-    from megapatch.patches import tp_invariant_transformer_engine as te
+    assert _refusal_tables.config_refusals(_config(num_query_groups=2, tensor_model_parallel_size=2)) == []
+    assert _refusal_tables.config_refusals(_config(num_attention_heads=2, tensor_model_parallel_size=2)) == []
+    assert _refusal_tables.config_refusals(_config(num_attention_heads=1, tensor_model_parallel_size=2))
+    assert construction._preflight_model(_config(transformer_impl="transformer_engine")) is None  # covered below
+    from megapatch.patches.tp_invariant import transformer_engine as te
 
     assert te._preflight(_config(transformer_impl="transformer_engine")) is None
     assert te._preflight(_config(transformer_impl="local", fp8="hybrid")) is None  # no TE layers to refuse
@@ -248,9 +248,9 @@ def test_kv_groups_equal_to_the_tp_size_and_heads_as_groups_are_accepted(invaria
                         ("delay_wgrad_compute", "--delay-wgrad-compute")):
         value = "e4m3" if field in ("fp8", "fp4") else True
         assert flag in te._preflight(_config(transformer_impl="transformer_engine", **{field: value})), field
-    assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=False)) is None
-    assert patch._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=True)) is None  # covered
-    assert "--num-distributed-optimizer-instances" in patch._preflight_optimizer(
+    assert distributed_optimizer._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=False)) is None
+    assert distributed_optimizer._preflight_optimizer(SimpleNamespace(use_distributed_optimizer=True)) is None  # covered
+    assert "--num-distributed-optimizer-instances" in distributed_optimizer._preflight_optimizer(
         SimpleNamespace(use_distributed_optimizer=True, num_distributed_optimizer_instances=2))
 
 
@@ -259,9 +259,9 @@ class _Recorder:
         self.marked = "unset"
 
     def __call__(self, *args, **kwargs):
-        from megapatch.patches import tp_invariant as patch
+        from megapatch.patches.tp_invariant import _marks
 
-        self.marked = patch._gated_fc1.get()
+        self.marked = _marks.gated_fc1.get()
         return "upstream"
 
 
@@ -276,16 +276,16 @@ def _mlp(**config):
 @pytest.mark.quick("tp_invariant.mlp")
 def test_the_mlp_marks_only_a_gated_fc1_and_refuses_what_it_cannot_cover(invariant):
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _marks, mlp
 
     for gated in (True, False):
-        mlp, upstream = _mlp(gated_linear_unit=gated), _Recorder()
-        assert patch._mlp_forward(upstream, mlp, (), {}) == "upstream"
-        assert upstream.marked is (mlp.linear_fc1 if gated else None), gated
-    assert patch._gated_fc1.get() is None  # the mark ends with the call
+        layer, upstream = _mlp(gated_linear_unit=gated), _Recorder()
+        assert mlp._mlp_forward(upstream, layer, (), {}) == "upstream"
+        assert upstream.marked is (layer.linear_fc1 if gated else None), gated
+    assert _marks.gated_fc1.get() is None  # the mark ends with the call
     for field in ("use_te_activation_func", "bias_activation_fusion"):
         with pytest.raises(UnsupportedConfigurationError, match=field):
-            patch._mlp_forward(_Recorder(), _mlp(**{field: True}), (), {})
+            mlp._mlp_forward(_Recorder(), _mlp(**{field: True}), (), {})
 
 
 
@@ -293,7 +293,7 @@ def test_the_block_runs_the_covered_te_modules_and_refuses_the_rest_by_name(inva
     """Built under the mode, a block's TE modules are either covered (tp_invariant.transformer_engine
     runs them; megatron-core's wrappers and TE's norms) or refused naming the module and its place."""
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import construction
 
     def module(name, where):
         return type(name, (), {"__module__": where})()
@@ -301,17 +301,17 @@ def test_the_block_runs_the_covered_te_modules_and_refuses_the_rest_by_name(inva
     wrappers = "megatron.core.extensions.transformer_engine"
     for name in ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
                  "TEDotProductAttention"):
-        assert patch._transformer_engine(module(name, wrappers), "decoder.layers.0.x") is True
-    assert patch._transformer_engine(module("RMSNorm", "transformer_engine.pytorch.module.rmsnorm"), "final") is True
-    assert patch._transformer_engine(module("RowParallelLinear", "megatron.core.tensor_parallel.layers"), "x") is False
+        assert construction._transformer_engine(module(name, wrappers), "decoder.layers.0.x") is True
+    assert construction._transformer_engine(module("RMSNorm", "transformer_engine.pytorch.module.rmsnorm"), "final") is True
+    assert construction._transformer_engine(module("RowParallelLinear", "megatron.core.tensor_parallel.layers"), "x") is False
     for name, where in (("TEGroupedLinear", wrappers), ("Linear", "transformer_engine.pytorch.module.linear"),
                         ("LayerNormMLP", "transformer_engine.pytorch.module.layernorm_mlp")):
         with pytest.raises(UnsupportedConfigurationError, match=f"{name} \\(decoder.layers.1.mlp\\)"):
-            patch._transformer_engine(module(name, where), "decoder.layers.1.mlp")
+            construction._transformer_engine(module(name, where), "decoder.layers.1.mlp")
 
 
 def _column_call(group_size, **kw):
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _linear_layers
 
     args = dict(input=_small((3, 4), 21).bfloat16(), weight=_small((16, 4), 22).bfloat16(), bias=None,
                 gradient_accumulation_fusion=False, allreduce_dgrad=group_size > 1, sequence_parallel=False,
@@ -322,7 +322,7 @@ def _column_call(group_size, **kw):
             args[key] = kw.pop(key)
     for key, value in kw.items():
         setattr(instance, key, value)
-    return patch._column_forward_impl(lambda *a, **k: "upstream", instance, (), args)
+    return _linear_layers.column_forward_impl(lambda *a, **k: "upstream", instance, (), args)
 
 
 @pytest.mark.parametrize("setting,what", [
@@ -362,13 +362,13 @@ def test_column_refusals_read_positional_arguments_at_upstreams_positions(invari
     sequence_parallel, grad_output_buffer, ...)``, as linear_with_grad_accumulation_and_async_allreduce
     takes them (megatron-core passes keywords; a positional caller must be read the same)."""
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _linear_layers
 
     instance = SimpleNamespace(tp_group=StandInGroup(1), config=SimpleNamespace(num_query_groups=None))
     args = (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(16, 4, dtype=torch.bfloat16), None)
-    assert patch._column_forward_impl(None, instance, args + (False, False, False, None), {}) is not None
+    assert _linear_layers.column_forward_impl(None, instance, args + (False, False, False, None), {}) is not None
     with pytest.raises(UnsupportedConfigurationError, match=what):
-        patch._column_forward_impl(None, instance, args + positional, {})
+        _linear_layers.column_forward_impl(None, instance, args + positional, {})
 
 
 def test_kv_groups_equal_to_the_tp_size_pass_the_column_layer(invariant):
@@ -391,14 +391,14 @@ def test_a_gated_fc1_that_w_does_not_split_is_refused_naming_its_full_size(invar
     which 8 blocks cannot split."""
     from megapatch.core.errors import OptionError
     from megapatch.core.scope import scoped
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _linear_layers, _marks
 
     instance = SimpleNamespace(tp_group=StandInGroup(2), config=SimpleNamespace(num_query_groups=None))
     args = dict(input=torch.ones(2, 4, dtype=torch.bfloat16), weight=torch.ones(12, 4, dtype=torch.bfloat16),
                 bias=None, allreduce_dgrad=True)
-    with scoped(patch._gated_fc1, instance):
+    with scoped(_marks.gated_fc1, instance):
         with pytest.raises(OptionError, match=r"output features \(each of gate, up\) has size 12, not divisible"):
-            patch._column_forward_impl(None, instance, (), args)
+            _linear_layers.column_forward_impl(None, instance, (), args)
 
 
 def _row_instance(**kw):
@@ -410,94 +410,94 @@ def _row_instance(**kw):
 
 def test_row_layer_adds_its_bias_after_the_tree_or_hands_it_back(invariant):
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _linear_layers
 
     x = signs((3, 16), 33).bfloat16()
     layer = _row_instance()
     products = x.float()[:, None, :] * layer.weight.float()[None]
     tree = _tree([products[..., 2 * b] + products[..., 2 * b + 1] for b in range(W)]).bfloat16()
-    out, bias = patch._row_forward(None, layer, (x,), {})
+    out, bias = _linear_layers.row_forward(None, layer, (x,), {})
     assert bias is None and torch.equal(out, tree + layer.bias)
-    out, bias = patch._row_forward(None, _row_instance(skip_bias_add=True), (x,), {})
+    out, bias = _linear_layers.row_forward(None, _row_instance(skip_bias_add=True), (x,), {})
     # handed back expanded to the output's shape (its gradient then sums tokens in the fixed tree)
     assert torch.equal(out, tree) and torch.equal(bias, layer.bias.expand_as(tree))
-    out, bias = patch._row_forward(None, _row_instance(bias=None), (x,), {})
+    out, bias = _linear_layers.row_forward(None, _row_instance(bias=None), (x,), {})
     assert bias is None and torch.equal(out, tree)
-    out, _ = patch._row_forward(None, _row_instance(sequence_parallel=True), (x,), {})
+    out, _ = _linear_layers.row_forward(None, _row_instance(sequence_parallel=True), (x,), {})
     assert torch.equal(out, tree + layer.bias)  # TP 1: no sequence to split
     # the bias is added, not lost in rounding: small integers, exact in BF16 (|sum| <= 147)
     small, layer = _small((3, 16), 34).bfloat16(), _row_instance(weight=_small((2, 16), 35).bfloat16())
-    out, _ = patch._row_forward(None, layer, (small,), {})
+    out, _ = _linear_layers.row_forward(None, layer, (small,), {})
     exact = small.float() @ layer.weight.float().t()
     assert torch.equal(out.float(), exact + layer.bias.float()) and not torch.equal(out.float(), exact)
     with pytest.raises(UnsupportedConfigurationError, match="gradient_accumulation_fusion"):
-        patch._row_forward(None, _row_instance(gradient_accumulation_fusion=True), (x,), {})
+        _linear_layers.row_forward(None, _row_instance(gradient_accumulation_fusion=True), (x,), {})
     # a routed expert's fc2 (the dispatcher sums it over expert TP): the tree, no bias of its own
-    out, bias = patch._row_forward(None, _row_instance(explicit_expert_comm=True, bias=None), (x,), {})
+    out, bias = _linear_layers.row_forward(None, _row_instance(explicit_expert_comm=True, bias=None), (x,), {})
     assert bias is None and torch.equal(out, tree)
     with pytest.raises(UnsupportedConfigurationError, match="--disable-bias-linear"):
-        patch._row_forward(None, _row_instance(explicit_expert_comm=True), (x,), {})
+        _linear_layers.row_forward(None, _row_instance(explicit_expert_comm=True), (x,), {})
 
 
 def test_a_row_layer_that_w_does_not_split_is_refused_naming_its_full_size(invariant):
     from megapatch.core.errors import OptionError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _linear_layers
 
     layer = _row_instance(tp_group=StandInGroup(2), weight=torch.ones(2, 6, dtype=torch.bfloat16))
     with pytest.raises(OptionError, match="input features has size 12, not divisible by tp_invariant_width=8"):
-        patch._row_forward(None, layer, (torch.ones(3, 6, dtype=torch.bfloat16),), {})
+        _linear_layers.row_forward(None, layer, (torch.ones(3, 6, dtype=torch.bfloat16),), {})
 
 
 def test_the_wrappers_pass_through_when_the_mode_is_off():
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _linear_layers, construction, distributed_optimizer, grad_norm, mlp
 
     upstream = lambda *a, **k: ("upstream", a, k)  # noqa: E731
-    assert patch._column_forward_impl(upstream, None, (1,), {})[0] == "upstream"
-    assert patch._row_forward(upstream, None, (1,), {})[0] == "upstream"
-    assert patch._mlp_forward(upstream, None, (1,), {})[0] == "upstream"
-    assert patch._norm_owner_scope(upstream, None, (1,), {})[0] == "upstream"
-    assert patch._grad_norm_fp32(upstream, None, ([], 2.0), {})[0] == "upstream"
-    assert patch._block_init(upstream, None, (1,), {})[0] == "upstream"
-    assert patch._distributed_optimizer_init(upstream, None, (1,), {})[0] == "upstream"
+    assert _linear_layers.column_forward_impl(upstream, None, (1,), {})[0] == "upstream"
+    assert _linear_layers.row_forward(upstream, None, (1,), {})[0] == "upstream"
+    assert mlp._mlp_forward(upstream, None, (1,), {})[0] == "upstream"
+    assert grad_norm._norm_owner_scope(upstream, None, (1,), {})[0] == "upstream"
+    assert grad_norm._grad_norm_fp32(upstream, None, ([], 2.0), {})[0] == "upstream"
+    assert construction.block_init(upstream, None, (1,), {})[0] == "upstream"
+    assert distributed_optimizer._distributed_optimizer_init(upstream, None, (1,), {})[0] == "upstream"
 
 
 def test_grad_norm_refusals_and_the_order_free_max(invariant):
     from megapatch.core.errors import UnsupportedConfigurationError
     from megapatch.core.scope import scoped
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import grad_norm
 
     upstream = lambda *a, **k: "upstream"  # noqa: E731
-    assert patch._grad_norm_fp32(upstream, None, ([], float("inf")), {}) == "upstream"
-    assert patch._grad_norm_fp32(upstream, None, ([],), {"norm_type": "inf"}) == "upstream"
+    assert grad_norm._grad_norm_fp32(upstream, None, ([], float("inf")), {}) == "upstream"
+    assert grad_norm._grad_norm_fp32(upstream, None, ([],), {"norm_type": "inf"}) == "upstream"
     with pytest.raises(UnsupportedConfigurationError, match="outside an optimizer"):
-        patch._grad_norm_fp32(upstream, None, ([], 2.0), {})
-    with scoped(patch._norm_owner, SimpleNamespace()):
+        grad_norm._grad_norm_fp32(upstream, None, ([], 2.0), {})
+    with scoped(grad_norm._norm_owner, SimpleNamespace()):
         with pytest.raises(UnsupportedConfigurationError, match="grad norm of type 1.0"):
-            patch._grad_norm_fp32(upstream, None, ([], 1), {})
+            grad_norm._grad_norm_fp32(upstream, None, ([], 1), {})
     seen = []
-    patch._norm_owner_scope(lambda: seen.append(patch._norm_owner.get()), "the optimizer", (), {})
-    assert seen == ["the optimizer"] and patch._norm_owner.get() is None
+    grad_norm._norm_owner_scope(lambda: seen.append(grad_norm._norm_owner.get()), "the optimizer", (), {})
+    assert seen == ["the optimizer"] and grad_norm._norm_owner.get() is None
 
 
 def test_the_norm_spans_tp_alone_or_tp_times_pp_and_refuses_other_ranks(invariant, monkeypatch):
     from megatron.core import parallel_state
 
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import grad_norm
 
     stages = StandInGroup(4)  # PP 4 with TP 2: TP x PP = 8, TP + PP = 6
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: stages)
     tp = StandInGroup(2)
-    assert patch._pipeline_stages(None, tp, False) is None and patch._pipeline_stages(StandInGroup(2), tp, False) is None
-    assert patch._pipeline_stages(StandInGroup(8), tp, False) is stages
+    assert grad_norm._pipeline_stages(None, tp, False) is None and grad_norm._pipeline_stages(StandInGroup(2), tp, False) is None
+    assert grad_norm._pipeline_stages(StandInGroup(8), tp, False) is stages
     for size in (16, 6, 4):  # data-parallel or expert ranks too, or a group that is no TP x PP
         with pytest.raises(UnsupportedConfigurationError, match=f"a grad norm over {size} ranks \\(TP 2 x PP 4"):
-            patch._pipeline_stages(StandInGroup(size), tp, False)
+            grad_norm._pipeline_stages(StandInGroup(size), tp, False)
     # the distributed optimizer's norm spans its data-parallel shards too (gathered first): TP x PP x DP
     monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda **kw: 2)
-    assert patch._pipeline_stages(StandInGroup(16), tp, True) is stages
+    assert grad_norm._pipeline_stages(StandInGroup(16), tp, True) is stages
     with pytest.raises(UnsupportedConfigurationError, match="TP 2 x PP 4 x DP 2"):
-        patch._pipeline_stages(StandInGroup(8), tp, True)
+        grad_norm._pipeline_stages(StandInGroup(8), tp, True)
 
 
 # -- sequence parallelism and token-split sums at TP=1 (no ranks) ------------------------------------
@@ -505,7 +505,7 @@ def test_the_norm_spans_tp_alone_or_tp_times_pp_and_refuses_other_ranks(invarian
 def test_sequence_parallel_slices_take_this_ranks_positions(invariant):
     """``_own_rows`` (ScatterSequence's forward, GatherSequence's backward): rank r of t holds
     positions [r s/t, (r+1) s/t) of the sequence (dim 0), as upstream's reduce-scatter does."""
-    from megapatch.numerics.block_tree import GatherSequence, ScatterSequence, _own_rows
+    from megapatch.numerics.block_linear import GatherSequence, ScatterSequence, _own_rows
 
     x = torch.arange(8 * 2 * 3, dtype=torch.float32).view(8, 2, 3)
     for t, r in ((1, 0), (2, 0), (2, 1), (4, 3), (8, 5)):
@@ -546,7 +546,7 @@ def test_norm_affine_gradients_sum_token_blocks_in_the_fixed_tree(invariant):
     gradients are per-block sums over consecutive rows of [s, b, h] added in the fixed tree
     (s, b and h all differ, so a reshape by the wrong dim shows); with sequence parallelism
     (``split``) rank 0 returns the total and other ranks zeros."""
-    from megapatch.numerics.block_tree import TokenBlockedAffine
+    from megapatch.numerics.token_tree import TokenBlockedAffine
 
     grad = _token_grad()
     normalised = signs((8, 2, 3), 60).requires_grad_()
@@ -580,7 +580,7 @@ def test_norm_affine_gradients_sum_token_blocks_in_the_fixed_tree(invariant):
 
 
 def test_row_bias_gradient_sums_token_blocks_in_the_fixed_tree(invariant):
-    from megapatch.numerics.block_tree import TokenBlockedBias
+    from megapatch.numerics.token_tree import TokenBlockedBias
 
     grad = _token_grad()
     bias = torch.tensor([1.0, 0.25, -1.0], requires_grad=True)
@@ -638,7 +638,7 @@ def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are
     import torch.nn.functional as F
 
     from megapatch.core.errors import UnsupportedConfigurationError
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _norms
 
     x = _small((16, 1, 3), 71) + torch.arange(3.0)  # no constant row: a well-defined norm
     grad = _token_grad().reshape(16, 1, 3)
@@ -648,9 +648,9 @@ def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are
             if getattr(norm, "bias", None) is not None:
                 norm.bias.copy_(torch.tensor([1.0, 0.25, -1.0]))
         native = norm(x)
-        patch._token_blocked_norm(norm)
+        _norms.token_blocked_norm(norm)
         routed = norm.forward
-        patch._token_blocked_norm(norm)  # once only
+        _norms.token_blocked_norm(norm)  # once only
         assert norm.forward is routed and norm._megapatch_token_blocked
         out = norm(x)
         torch.testing.assert_close(out, native, rtol=1e-6, atol=1e-6)
@@ -668,7 +668,7 @@ def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are
             self.weight = torch.nn.Parameter(torch.ones(3))
 
     with pytest.raises(UnsupportedConfigurationError, match="does not support the norm layer .*OwnNorm"):
-        patch._token_blocked_norm(OwnNorm())
+        _norms.token_blocked_norm(OwnNorm())
 
     class FreeNorm(torch.nn.Module):  # nothing summed over tokens
         pass
@@ -680,7 +680,7 @@ def test_torch_norms_run_their_affine_part_in_token_blocks_and_unknown_norms_are
 
     for module in (FreeNorm(), NormStack(), torch.nn.LayerNorm(3, elementwise_affine=False), torch.nn.Linear(3, 3)):
         forward = module.forward
-        patch._token_blocked_norm(module)
+        _norms.token_blocked_norm(module)
         assert module.forward == forward and not getattr(module, "_megapatch_token_blocked", False)
 
 
@@ -688,7 +688,7 @@ def test_a_gated_fc1_is_marked_and_found_through_an_optimizers_fp32_copies():
     """``_mark_gated_fc1`` marks a SwiGLU fc1's weight and bias (only for a gated linear unit);
     ``_model_params`` finds the model parameter of each FP32 main copy a mixed-precision optimizer
     made (where the mark is read)."""
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import _marks, grad_norm
 
     def fc1(config, bias=True):
         return SimpleNamespace(config=SimpleNamespace(gated_linear_unit=config), linear_fc1=SimpleNamespace(
@@ -696,20 +696,20 @@ def test_a_gated_fc1_is_marked_and_found_through_an_optimizers_fp32_copies():
 
     gated, plain, no_bias = fc1(True), fc1(False), fc1(True, bias=False)
     for module in (gated, plain, no_bias, SimpleNamespace(config=gated.config)):  # the last has no fc1
-        patch._mark_gated_fc1(module)
-    assert getattr(gated.linear_fc1.weight, patch._GATED) == 2 == getattr(gated.linear_fc1.bias, patch._GATED)
-    assert getattr(no_bias.linear_fc1.weight, patch._GATED) == 2
-    assert not hasattr(plain.linear_fc1.weight, patch._GATED) and not hasattr(plain.linear_fc1.bias, patch._GATED)
+        _marks.mark_gated_fc1(module)
+    assert getattr(gated.linear_fc1.weight, _marks.GATED) == 2 == getattr(gated.linear_fc1.bias, _marks.GATED)
+    assert getattr(no_bias.linear_fc1.weight, _marks.GATED) == 2
+    assert not hasattr(plain.linear_fc1.weight, _marks.GATED) and not hasattr(plain.linear_fc1.bias, _marks.GATED)
     mains = [torch.nn.Parameter(torch.ones(2)) for _ in range(4)]
     optimizer = SimpleNamespace(
         float16_groups=[[gated.linear_fc1.weight, plain.linear_fc1.weight],
                         [plain.linear_fc1.bias, gated.linear_fc1.bias]],
         fp32_from_float16_groups=[mains[:2], mains[2:]])
-    model_of = patch._model_params(optimizer)
-    assert {i for i, p in model_of.items() if getattr(p, patch._GATED, 1) == 2} == {id(mains[0]), id(mains[3])}
+    model_of = grad_norm._model_params(optimizer)
+    assert {i for i, p in model_of.items() if getattr(p, _marks.GATED, 1) == 2} == {id(mains[0]), id(mains[3])}
     assert model_of[id(mains[1])] is plain.linear_fc1.weight and model_of[id(mains[2])] is plain.linear_fc1.bias
-    assert patch._model_params(SimpleNamespace()) == {}
-    assert patch._model_params(SimpleNamespace(float16_groups=None, fp32_from_float16_groups=None)) == {}
+    assert grad_norm._model_params(SimpleNamespace()) == {}
+    assert grad_norm._model_params(SimpleNamespace(float16_groups=None, fp32_from_float16_groups=None)) == {}
 
 
 def test_the_grad_norm_reads_its_stats_group_at_upstreams_position(invariant, monkeypatch):
@@ -719,16 +719,16 @@ def test_the_grad_norm_reads_its_stats_group_at_upstreams_position(invariant, mo
 
     from megapatch.core.errors import UnsupportedConfigurationError
     from megapatch.core.scope import scoped
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import grad_norm
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: StandInGroup(4))
     owner = SimpleNamespace(get_parameters=lambda: [], tp_group=StandInGroup(2),
                             config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
-    with scoped(patch._norm_owner, owner):
+    with scoped(grad_norm._norm_owner, owner):
         for args, kwargs in ((([], 2.0, StandInGroup(16)), {}), (([],), {"grad_stats_parallel_group": StandInGroup(16)})):
             with pytest.raises(UnsupportedConfigurationError, match=r"a grad norm over 16 ranks \(TP 2 x PP 4"):
-                patch._grad_norm_fp32(None, None, args, kwargs)
-        assert patch._grad_norm_fp32(None, None, ([], 2.0, StandInGroup(2)), {}) == 0.0  # TP alone: no parameters
+                grad_norm._grad_norm_fp32(None, None, args, kwargs)
+        assert grad_norm._grad_norm_fp32(None, None, ([], 2.0, StandInGroup(2)), {}) == 0.0  # TP alone: no parameters
 
 
 class DistributedOptimizer(SimpleNamespace):
@@ -740,7 +740,7 @@ def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_
     buffer in buffer order (not the map's order), and the grad norm adds their squares (sharded or
     replicated) exactly, like the non-distributed optimizer's."""
     from megapatch.core.scope import scoped
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.patches.tp_invariant import grad_norm
 
     sharded = _param(_norm_grad(0), 0, SimpleNamespace(tp_size=1, tp_rank=0))
     replicated = _param(torch.full((2, 2), 4096.0), None, SimpleNamespace(tp_size=1, tp_rank=0))
@@ -751,12 +751,12 @@ def test_a_distributed_optimizers_norm_reads_full_gradients_from_its_buffers_in_
     for p in (sharded, replicated):
         p.grad = None  # the distributed optimizer's gradients live in the buffer only
     optimizer = DistributedOptimizer(buffers=[buffer], config=SimpleNamespace())
-    pairs = list(patch._distributed_grads(optimizer))
+    pairs = list(grad_norm._distributed_grads(optimizer))
     assert [p for p, _ in pairs] == [replicated, sharded]
     assert torch.equal(pairs[0][1], torch.full((2, 2), 4096.0)) and torch.equal(pairs[1][1], _norm_grad(0))
     optimizer.tp_group = StandInGroup(1)
-    with scoped(patch._norm_owner, optimizer):
-        norm = patch._grad_norm_fp32(None, None, ([], 2.0, None), {})
+    with scoped(grad_norm._norm_owner, optimizer):
+        norm = grad_norm._grad_norm_fp32(None, None, ([], 2.0, None), {})
     assert norm == _exact_norm([torch.tensor(4 * BIG), _norm_oracle(_norm_grad(0), 0)])
 
 
@@ -781,7 +781,8 @@ def _tp2_job(ctx):
     import megapatch
     from megapatch.core.scope import scoped
     from megapatch.numerics import block_tree as tpi
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.numerics import block_linear
+    from megapatch.patches.tp_invariant import grad_norm
 
     megapatch.enable(tp_invariant=True)
     group, t, r, dp = ctx.tp_group, ctx.tp_size, ctx.tp_rank, ctx.dp_rank
@@ -796,7 +797,7 @@ def _tp2_job(ctx):
     # the column-parallel dgrad summed over TP through the tree
     x = torch.ones(2, 4, requires_grad=True)  # FP32: the FP32 tree comes out unrounded
     weight = planted((16, 4), 40 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
-    y = tpi.ColumnParallel.apply(x, weight, None, group, True, tpi.blocks_per_rank(group), None, 1)
+    y = block_linear.ColumnParallel.apply(x, weight, None, group, True, tpi.blocks_per_rank(group), None, 1)
     y.backward(signs((2, 16), 41)[:, r * 16 // t:(r + 1) * 16 // t])
     out["dgrad"] = x.grad
     # the patch's grad norm: every parameter's square added exactly, a shared one and a missing grad skipped
@@ -806,10 +807,10 @@ def _tp2_job(ctx):
     params[-1].grad = None
     owner = SimpleNamespace(get_parameters=lambda: params, tp_group=group,
                             config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
-    with scoped(patch._norm_owner, owner):
-        out["grad_norm"] = patch._grad_norm_fp32(None, None, ([], 2.0, group), {})
+    with scoped(grad_norm._norm_owner, owner):
+        out["grad_norm"] = grad_norm._grad_norm_fp32(None, None, ([], 2.0, group), {})
     out.update(_sequence_parallel_paths(ctx))
-    out["do_grads"] = [g.clone() for _, g in patch._distributed_grads(_dp_sharded_optimizer(ctx))]
+    out["do_grads"] = [g.clone() for _, g in grad_norm._distributed_grads(_dp_sharded_optimizer(ctx))]
     out["ce_tp2"] = _cross_entropy(ctx, 16)
     try:
         _cross_entropy(ctx, 10)
@@ -834,24 +835,24 @@ def _sequence_parallel_paths(ctx):
     all-gather, backward this rank's slice), ScatterSequence (forward slice, backward all-gather),
     and the patched column and row layers with ``sequence_parallel`` (the row bias's gradient a
     token tree across the group, on rank 0)."""
-    from megapatch.numerics import block_tree as tpi
-    from megapatch.patches import tp_invariant as patch
+    from megapatch.numerics import block_linear
+    from megapatch.patches.tp_invariant import _linear_layers
 
     group, t, r, dp = ctx.tp_group, ctx.tp_size, ctx.tp_rank, ctx.dp_rank
     out = {}
     mine = _small((4, 1, 3), 90 + dp)[r * 4 // t:(r + 1) * 4 // t].clone().requires_grad_()
-    gathered = tpi.GatherSequence.apply(mine, group)
+    gathered = block_linear.GatherSequence.apply(mine, group)
     gathered.backward(_small((4, 1, 3), 91))
     out["sp_gather"], out["sp_gather_grad"] = gathered.detach(), mine.grad
     whole = _small((4, 1, 3), 92 + dp).requires_grad_()
-    scattered = tpi.ScatterSequence.apply(whole, group)
+    scattered = block_linear.ScatterSequence.apply(whole, group)
     scattered.backward(_small((4 // t, 1, 3), 93 + r))
     out["sp_scatter"], out["sp_scatter_grad"] = scattered.detach(), whole.grad
     # column layer: this rank's 2 positions gathered; dgrad the tree over TP, sliced back
     x = torch.ones(4 // t, 1, 4, requires_grad=True)  # FP32: the FP32 tree comes out unrounded
     weight = planted((16, 4), 94 + dp).bfloat16()[r * 16 // t:(r + 1) * 16 // t]
     layer = SimpleNamespace(tp_group=group, config=SimpleNamespace(num_query_groups=None))
-    y = patch._column_forward_impl(None, layer, (), dict(
+    y = _linear_layers.column_forward_impl(None, layer, (), dict(
         input=x, weight=weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
         sequence_parallel=True, grad_output_buffer=None))
     y.backward(signs((4, 1, 16), 95)[..., r * 16 // t:(r + 1) * 16 // t])
@@ -861,7 +862,7 @@ def _sequence_parallel_paths(ctx):
     bias = torch.tensor([0.5, -0.25], requires_grad=True)
     row = _row_instance(tp_group=group, sequence_parallel=True, bias=bias,
                         weight=planted((2, 16), 97).bfloat16()[:, r * 16 // t:(r + 1) * 16 // t])
-    y, none = patch._row_forward(None, row, (x,), {})
+    y, none = _linear_layers.row_forward(None, row, (x,), {})
     y.backward(SP_GRAD[r * 8 // t:(r + 1) * 8 // t])
     out["sp_row"], out["sp_row_bias_grad"], out["sp_row_dgrad"] = y.detach(), bias.grad, x.grad
     return out
@@ -1018,7 +1019,7 @@ def test_the_token_blocked_router_gemm_with_a_bias_matches_an_fp64_oracle(invari
     """The MoE router's gating GEMM (``TokenBlockedLinear``) with a bias, run per token block (W
     blocks; one where the sequence does not divide W): output ``x W^T + b`` and every gradient
     against FP64, small-integer operands so all are exact."""
-    from megapatch.numerics.block_tree import TokenBlockedLinear
+    from megapatch.numerics.token_tree import TokenBlockedLinear
 
     rows = tokens * batch
     x = _small((tokens, batch, 16), 3).requires_grad_(True)
@@ -1066,20 +1067,20 @@ def test_an_moe_micro_batch_runs_one_sequence_at_a_time_and_each_sequence_deposi
     the first sequence's gradient goes to DDP's hook, the others' are deposited as terms of their
     own -- each equal to that sequence's gradient alone; the sequences per call are noted for the
     aux-loss scale. Without the sinks, or at one sequence, upstream's single call."""
-    from megapatch.numerics import block_tree as tree
-    from megapatch.patches import tp_invariant_moe_micro_batch as patch
+    from megapatch.numerics import gradient_terms
+    from megapatch.patches.tp_invariant import moe_micro_batch as patch
 
     layer = _StandInMoE()
     hidden = _small((4, 3, 3), 31).requires_grad_(False)  # [s, b, h]
     mask = torch.zeros(3, 4, dtype=torch.bool)
     plain = patch._moe_forward(layer.forward, layer, (hidden,), {"padding_mask": mask})  # no sinks yet
-    assert layer.calls == [((4, 3, 3), (3, 4))] and tree.moe_sequences_per_call() == 1
+    assert layer.calls == [((4, 3, 3), (3, 4))] and gradient_terms.moe_sequences_per_call() == 1
     deposited = {"w": [], "b": []}
     for name, param in layer.named_parameters():
-        setattr(param, tree.SEQUENCE_TERMS, deposited[name].extend)
+        setattr(param, gradient_terms.SEQUENCE_TERMS, deposited[name].extend)
     layer.calls.clear()
     out, bias = patch._moe_forward(layer.forward, layer, (hidden,), {"padding_mask": mask})
-    assert layer.calls == [((4, 1, 3), (1, 4))] * 3 and tree.moe_sequences_per_call() == 3
+    assert layer.calls == [((4, 1, 3), (1, 4))] * 3 and gradient_terms.moe_sequences_per_call() == 3
     want = torch.cat([hidden[:, i:i + 1] * layer.w + hidden[:, i:i + 1].mean(dim=(0, 1)) for i in range(3)], dim=1)
     assert torch.equal(out, want) and not torch.equal(out, plain[0]) and torch.equal(bias, layer.b)
     out.sum().backward()
@@ -1089,4 +1090,4 @@ def test_an_moe_micro_batch_runs_one_sequence_at_a_time_and_each_sequence_deposi
     assert sorted(g.tolist() for g in deposited["w"]) == sorted(s.tolist() for s in per_sequence[1:])
     layer.calls.clear()
     patch._moe_forward(layer.forward, layer, (hidden[:, :1],), {})
-    assert layer.calls == [((4, 1, 3), None)] and tree.moe_sequences_per_call() == 1
+    assert layer.calls == [((4, 1, 3), None)] and gradient_terms.moe_sequences_per_call() == 1

@@ -236,7 +236,7 @@ def _moe_job(ctx, tp):
                                                spec=spec, full_weights=weights, config_overrides=SHARED)
             out.update({(spec, t, e): run for (_, t, e), run in (runs or {}).items()})
             out[("kernels", spec, tp)] = sorted(set(calls[before:]))
-        from megapatch.testing.ranks.harness import reinit_model_parallel
+        from megapatch.testing.ranks.rank_context import reinit_model_parallel
 
         reinit_model_parallel(ctx, tp=1)  # every rank: it builds process groups
         model = moe_tiny.build(moe_tiny.qwen3_moe_config(1, **SHARED), spec="te")

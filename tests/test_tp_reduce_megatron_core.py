@@ -530,27 +530,27 @@ def test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tens
     from types import SimpleNamespace
 
     from megapatch.core import cross_rank, options, state
-    from megapatch.patches import _common
+    from megapatch.patches.tp_reduce import _reduction
 
     checked = []
     monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: checked.append((group, settings)))
     world = StandInGroup(3)
-    monkeypatch.setattr(_common, "c10d", SimpleNamespace(group=SimpleNamespace(WORLD=world)))
+    monkeypatch.setattr(_reduction, "c10d", SimpleNamespace(group=SimpleNamespace(WORLD=world)))
     bf16 = torch.ones(2, dtype=torch.bfloat16)
     monkeypatch.setattr(state, "_current", options.NATIVE)
-    assert _common.reduction_mode(bf16, StandInGroup(2)) is None and checked == []
+    assert _reduction.reduction_mode(bf16, StandInGroup(2)) is None and checked == []
     for mode in MODES:
         settings = options.Settings(tp_reduce_dtype=mode)
         monkeypatch.setattr(state, "_current", settings)
         two = StandInGroup(2)
-        assert _common.reduction_mode(bf16, StandInGroup(1)) is None and checked == []
+        assert _reduction.reduction_mode(bf16, StandInGroup(1)) is None and checked == []
         for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
-            assert _common.reduction_mode(torch.ones(2, dtype=dtype), two) is None, dtype
+            assert _reduction.reduction_mode(torch.ones(2, dtype=dtype), two) is None, dtype
             assert checked.pop() == (two, settings)
         for dtype in (torch.bfloat16, torch.float16):
-            assert _common.reduction_mode(torch.ones(2, dtype=dtype), two) == mode, dtype
+            assert _reduction.reduction_mode(torch.ones(2, dtype=dtype), two) == mode, dtype
             assert checked.pop() == (two, settings)
-        assert _common.reduction_mode(bf16, None) == mode and checked.pop() == (world, settings)
+        assert _reduction.reduction_mode(bf16, None) == mode and checked.pop() == (world, settings)
         assert checked == []
 
 
@@ -559,7 +559,7 @@ def _collectives_taken(monkeypatch, mode):
     a stand-in for upstream's collective, and BF16 output/input tensors with a group of two."""
     from megapatch.core import cross_rank, options, state
     from megapatch.numerics import fp32_collectives
-    from megapatch.patches import tp_reduce_megatron_core as patch
+    from megapatch.patches.tp_reduce import megatron_core as patch
 
     monkeypatch.setattr(cross_rank, "ensure_group_agrees", lambda group, settings: None)
     monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype=mode))
@@ -630,8 +630,8 @@ def test_row_parallel_asks_for_its_fp32_accumulator_only_where_a_reduction_follo
     from megapatch.core import options, state
     from megapatch.core.errors import UpstreamSurfaceError
     from megapatch.numerics import fp32_output_linear
-    from megapatch.patches import tp_reduce_megatron_core as patch
-    from megapatch.patches._common import MOE_FP32_SUM
+    from megapatch.patches.tp_reduce import megatron_core as patch
+    from megapatch.patches.tp_reduce._reduction import MOE_FP32_SUM
 
     monkeypatch.setattr(state, "_current", options.Settings(tp_reduce_dtype="fp32"))
     x = torch.ones(2, 3, dtype=torch.bfloat16)

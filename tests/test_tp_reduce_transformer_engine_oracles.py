@@ -1,4 +1,4 @@
-"""The Transformer Engine reduce-helper wrappers (``patches/tp_reduce_te.py``) against the
+"""The Transformer Engine reduce-helper wrappers (``patches/tp_reduce/_te_reductions.py``) against the
 rank-order FP32 oracle, on 4 bare gloo ranks (no TE, no megatron needed).
 
 The helpers are test_tp_reduce_transformer_engine_wiring's stand-ins with the contracts of TE's

@@ -1,4 +1,4 @@
-"""The Transformer Engine patch (``patches/tp_reduce_transformer_engine.py``), tested without a GPU.
+"""The Transformer Engine patch (``patches/tp_reduce/transformer_engine.py``), tested without a GPU.
 
 1. Static wiring, every claimed TE release (runs everywhere; never skipped): the Python sources of
    ``transformer_engine-<v>-py3-none-any.whl`` for every version in
@@ -31,9 +31,11 @@ import wrapt
 
 import megapatch
 from megapatch.te_check import wiring
+from megapatch.te_check.definitions import resolve_attr
+from megapatch.te_check.sources import Sources
 import te_releases  # tools/ (on sys.path through conftest)
 from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurfaceError
-from megapatch.patches import tp_reduce_transformer_engine as te_patch
+from megapatch.patches.tp_reduce import transformer_engine as te_patch
 from megapatch.testing import run_ranks
 
 from conftest import run_python, te_installed
@@ -85,7 +87,7 @@ def test_failed_or_corrupt_download_is_an_error(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("version", list(CLAIMED))
 def test_release_is_wired_as_the_patch_relies_on(te_wheels, version):
-    problems = wiring.check(wiring.Sources.wheel(te_wheels[version], version), te_patch)
+    problems = wiring.check(Sources.wheel(te_wheels[version], version), te_patch)
     assert problems == [], f"TE {version}:\n" + "\n".join(problems)
 
 
@@ -94,9 +96,9 @@ def test_every_target_is_checked_in_every_release(te_wheels):
     targets = [t for t in PATCH.targets]
     assert targets and all(t.module.startswith("transformer_engine.pytorch.") for t in targets)
     for version, path in te_wheels.items():
-        src = wiring.Sources.wheel(path, version)
+        src = Sources.wheel(path, version)
         for t in targets:
-            kind, fn = wiring.resolve_attr(src, t.module, t.attr)
+            kind, fn = resolve_attr(src, t.module, t.attr)
             assert fn is not None and kind == t.kind, (version, t.path, kind)
 
 
@@ -152,7 +154,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_check_reports_broken_wiring(te_wheels, name):
     file, old, new, expected = MUTATIONS[name]
-    src = wiring.Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    src = Sources.wheel(te_wheels["2.20.2"], "2.20.2")
     edited = src.with_edit(f"transformer_engine/pytorch/{file}", old, new, count=-1 if "ub_bulk" in old else 1)
     problems = wiring.check(edited, te_patch)
     assert any(expected in p for p in problems), f"{name}: {problems}"
@@ -162,7 +164,7 @@ def test_a_helper_call_with_arguments_not_understood_leaves_the_later_calls_chec
     """The first reduce-helper call of linear.py gains an argument the wrapper does not understand, and
     the backward's async handle is no longer waited on (issue 28 item 8, third fresh sample): both are
     reported, and the row-parallel forward reductions after the bad call are still found."""
-    src = wiring.Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    src = Sources.wheel(te_wheels["2.20.2"], "2.20.2")
     name = "transformer_engine/pytorch/module/linear.py"
     edited = src.with_edit(name, "out, _ = reduce_scatter_along_first_dim(out, tp_group)",
                            "out, _ = reduce_scatter_along_first_dim(out, tp_group, op=None)")
@@ -177,7 +179,7 @@ def test_the_fprop_gemms_positional_arguments_are_counted_against_out_dtypes_pos
     """general_gemm(A, B, out_dtype, ...): the fprop GEMM of linear.py may pass B by keyword (fewer
     positional arguments: still recognised), but not out_dtype by position (issue 28 item 8, third
     fresh sample)."""
-    src = wiring.Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    src = Sources.wheel(te_wheels["2.20.2"], "2.20.2")
     name = "transformer_engine/pytorch/module/linear.py"
     fprop = "        weightmat,\n        inputmat_total,\n        quantization_params=output_quantizer,\n" \
             "        out_dtype=activation_dtype,\n"

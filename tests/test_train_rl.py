@@ -137,7 +137,7 @@ def _refit_sources(monkeypatch, tp_invariant: bool):
     from megatron.core.resharding import utils
 
     from megapatch.core import options, state
-    from megapatch.patches import tp_invariant_rl_refit as patch
+    from megapatch.patches.tp_invariant import rl_refit as patch
 
     monkeypatch.setattr(state, "_current", options.Settings(tp_invariant=tp_invariant))
     upstream = utils.assign_ep_resolved_name_inplace
@@ -188,7 +188,7 @@ def test_the_trainers_log_probs_under_tp_invariant_are_the_engines_arithmetic():
     (``DynamicInferenceContext.calculate_log_probs``: an FP32 log_softmax); upstream's FP32 formula
     (``x - logsumexp(x)``) does not, on these inputs, so the patch is what makes the logged
     mismatch exactly 0."""
-    from megapatch.patches.tp_invariant_rl_logprobs import engine_log_probs
+    from megapatch.patches.tp_invariant.rl_logprobs import engine_log_probs
 
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 17, 500, generator=gen) * 4).float()

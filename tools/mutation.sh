@@ -23,24 +23,28 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
 CR_PY=${COSMIC_RAY_PY:-$PYTHON}
 out=$(mkdir -p "${MUTATION_OUT:-$root/build/mutation}" && cd "${MUTATION_OUT:-$root/build/mutation}" && pwd)
-MODULES=(patches/tp_invariant.py megapatch/numerics/block_tree.py patches/logits.py patches/_common.py
-         patches/tp_reduce_megatron_core.py patches/cross_rank.py megapatch/numerics/fp32_collectives.py
+MODULES=(patches/tp_invariant/_linear_layers.py patches/tp_invariant/_norms.py patches/tp_invariant/_cross_entropy.py patches/tp_invariant/_router.py patches/tp_invariant/_experts.py patches/tp_invariant/_refusal_tables.py patches/tp_invariant/_marks.py patches/tp_invariant/_parallel_state.py patches/tp_invariant/_mode.py patches/tp_invariant/tensor_parallel.py patches/tp_invariant/mlp.py patches/tp_invariant/moe.py patches/tp_invariant/construction.py patches/tp_invariant/distributed_optimizer.py patches/tp_invariant/grad_norm.py
+         megapatch/numerics/block_tree.py megapatch/numerics/block_linear.py megapatch/numerics/token_tree.py megapatch/numerics/gradient_terms.py
+         patches/logits/_lm_head.py patches/logits/fp32_lm_head.py patches/logits/fp32_lm_head_mamba.py patches/logits/fp32_output_layer.py patches/_common.py patches/tp_reduce/_reduction.py
+         patches/tp_reduce/megatron_core.py patches/cross_rank/publish_settings.py megapatch/numerics/fp32_collectives.py
          megapatch/numerics/fp32_gemm.py megapatch/numerics/fp32_output_linear.py megapatch/core/cross_rank.py
-         patches/logits_fp32_inference.py patches/fp8_align_transposes.py megapatch/te_check/verdict.py
+         patches/logits/fp32_inference.py patches/fp8/align_transposes.py megapatch/te_check/verdict.py
          megapatch/core/startup.py megapatch/numerics/block_shapes.py megapatch/core/options.py
-         patches/tp_reduce_moe.py megapatch/core/engine.py megapatch/core/wrappers.py megapatch/core/surface.py
+         patches/tp_reduce/moe.py megapatch/core/engine.py megapatch/core/wrappers.py megapatch/core/surface.py
          megapatch/core/upstream_versions.py megapatch/core/report.py
-         megapatch/commands/megatron_lm_flags.py megapatch/commands/doctor.py
-         patches/tp_reduce_transformer_engine.py megapatch/te_check/wiring.py
+         megapatch/commands/megatron_lm_flags.py megapatch/commands/doctor.py megapatch/commands/doctor_text.py
+         megapatch/commands/upstream_stops.py
+         patches/tp_reduce/transformer_engine.py patches/tp_reduce/_te_forward.py patches/tp_reduce/_te_reductions.py megapatch/te_check/wiring.py
+         megapatch/te_check/sources.py megapatch/te_check/definitions.py megapatch/te_check/call_sites.py
          megapatch/integrations/nemo_run.py megapatch/core/rank_errors.py
          megapatch/core/registry.py megapatch/core/state.py megapatch/core/call_args.py megapatch/core/scope.py
          megapatch/commands/lock.py megapatch/commands/cli.py megapatch/commands/launcher.py
-         megapatch/commands/launcher_site/sitecustomize.py patches/linear.py
+         megapatch/commands/launcher_site/sitecustomize.py patches/linear/fp32_output.py
          megapatch/commands/demo.py megapatch/__init__.py megapatch/core/errors.py megapatch/_checkout.py
-         megapatch/numerics/exact_sum.py patches/tp_invariant_data_parallel.py patches/tp_invariant_loss_scale.py
-         patches/tp_invariant_micro_batch.py megapatch/numerics/per_sequence.py
-         patches/tp_invariant_moe_micro_batch.py patches/tp_invariant_rl_refit.py
-         patches/tp_invariant_attention.py patches/tp_invariant_engine_attention.py megapatch/numerics/attention.py)  # patches/tp_invariant_transformer_engine.py: PYTHON with TE
+         megapatch/numerics/exact_sum.py patches/tp_invariant/data_parallel.py patches/tp_invariant/loss_scale.py
+         patches/tp_invariant/micro_batch.py megapatch/numerics/per_sequence.py
+         patches/tp_invariant/moe_micro_batch.py patches/tp_invariant/rl_refit.py
+         patches/tp_invariant/attention.py patches/tp_invariant/engine_attention.py megapatch/numerics/attention.py)  # patches/tp_invariant/transformer_engine.py: PYTHON with TE
 [ $# -gt 0 ] && MODULES=("$@")
 
 tree=$out/tree  # tracked and untracked-but-not-ignored files of this checkout

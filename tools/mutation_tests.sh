@@ -25,7 +25,7 @@ MOE_AND_QK_NORM=(
     "$T/test_moe_preflight.py"
     "$T/test_tp_invariant_moe.py")
 case $module in
-  megapatch/numerics/block_tree.py) tests=(
+  megapatch/numerics/block_tree.py|megapatch/numerics/block_linear.py|megapatch/numerics/token_tree.py|megapatch/numerics/gradient_terms.py) tests=(
     "$T/test_tp_invariant.py::test_tree_sum_adds_adjacent_pairs_level_by_level"
     "$T/test_tp_invariant.py::test_a_tp_size_that_does_not_divide_the_width_is_refused"
     "$T/test_tp_invariant.py::test_block_gemm_operands_follow_the_device"
@@ -40,19 +40,19 @@ case $module in
     "$T/test_exact_sum.py")
     slow=("$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]"
           "${MLM}_steps_are_the_same_at_any_data_parallel_size_pipeline_depth_and_micro_batch_size[core_v0.16.1]") ;;
-  patches/tp_invariant_data_parallel.py|patches/tp_invariant_loss_scale.py|patches/tp_invariant_micro_batch.py) tests=(
+  patches/tp_invariant/data_parallel.py|patches/tp_invariant/loss_scale.py|patches/tp_invariant/micro_batch.py) tests=(
     "$T/test_quick_loop.py"
     "$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]")
     slow=("${MLM}_steps_are_the_same_at_any_data_parallel_size_pipeline_depth_and_micro_batch_size[core_v0.16.1]") ;;
-  megapatch/numerics/per_sequence.py|patches/tp_invariant_moe_micro_batch.py) tests=(
+  megapatch/numerics/per_sequence.py|patches/tp_invariant/moe_micro_batch.py) tests=(
     "$T/test_tp_invariant_mutants.py::test_an_moe_micro_batch_runs_one_sequence_at_a_time_and_each_sequence_deposits_its_own_term"
     "$T/test_tp_invariant.py::test_a_micro_batch_hands_the_exact_sum_one_weight_gradient_term_per_sequence"
     "$T/test_megatron_lm.py::test_tp_invariant_first_step_is_the_same_at_data_parallel_sizes_1_and_3_and_micro_batch_sizes_1_2_4[core_v0.16.1]")
     slow=("${MLM}_moe_steps_are_the_same_at_micro_batch_sizes_and_data_parallel_sizes[core_v0.16.1]") ;;
-  patches/tp_invariant_transformer_engine.py) tests=(  # PYTHON: an interpreter with TE (CI's te stage venv)
+  patches/tp_invariant/transformer_engine.py) tests=(  # PYTHON: an interpreter with TE (CI's te stage venv)
     "$T/test_tp_invariant_transformer_engine.py")
     slow=("$T/test_megatron_lm_te.py") ;;
-  patches/tp_invariant.py) tests=(
+  patches/tp_invariant/_*.py|patches/tp_invariant/tensor_parallel.py|patches/tp_invariant/mlp.py|patches/tp_invariant/moe.py|patches/tp_invariant/construction.py|patches/tp_invariant/distributed_optimizer.py|patches/tp_invariant/grad_norm.py) tests=(
     "$T/test_tp_invariant.py::test_several_distributed_optimizer_instances_are_refused_before_it_is_built"
     "$T/test_tp_invariant.py::test_opting_out_of_a_patch_the_guarantee_needs_is_refused"
     "$T/test_tp_invariant.py::test_releases_before_the_verified_one_are_refused_naming_both"
@@ -62,7 +62,7 @@ case $module in
     "${MOE_AND_QK_NORM[@]}")
     slow=("${MLM}_sequence_parallel_is_bit_identical_to_tp1[core_v0.16.1-gpt-tps0]"
           "${MLM}_distributed_optimizer_is_tp_independent[core_v0.16.1]") ;;
-  patches/logits.py) tests=(
+  patches/logits/_lm_head.py|patches/logits/fp32_lm_head.py|patches/logits/fp32_lm_head_mamba.py|patches/logits/fp32_output_layer.py) tests=(
     "$T/test_logits.py::test_model_construction_refuses_only_under_fp32_logits_and_only_a_model_with_an_output_layer"
     "$T/test_logits.py::test_the_head_path_says_which_device_and_whether_upstream_has_its_own_output_dtype"
     "$T/test_logits.py::test_a_model_logit_dtype_other_than_fp32_is_refused_naming_both_settings"
@@ -95,7 +95,7 @@ case $module in
     "$T/test_logits.py::test_frozen_output_weight_keeps_the_gradient_contract"
     "$T/test_tp_reduce_megatron_core.py::test_row_parallel_hands_its_fp32_accumulator_to_the_reduction"
     "$T/test_logits.py::test_gpt_fp32_logits_contract_and_accuracy") ;;
-  megapatch/numerics/fp32_collectives.py|patches/tp_reduce_megatron_core.py) tests=(
+  megapatch/numerics/fp32_collectives.py|patches/tp_reduce/megatron_core.py) tests=(
     "$T/test_tp_reduce_megatron_core.py::test_an_async_handle_rounds_into_the_callers_tensor_once_after_the_work_and_only_on_wait"
     "$T/test_tp_reduce_megatron_core.py::test_an_unknown_reduction_mode_is_refused_naming_it_and_the_valid_ones"
     "$T/test_tp_reduce_megatron_core.py::test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors"
@@ -113,7 +113,7 @@ case $module in
     "$T/test_moe.py::test_fp32_keeps_expert_partials_fp32_into_the_dispatcher_and_rounds_once_at_the_layer"
     "$T/test_moe.py::test_fp32_moe_at_tp4_with_sp_and_outlier_channels_is_as_close_to_tp1_as_tp2_on_unflipped_tokens"
     "$T/test_lifecycle.py") ;;
-  patches/_common.py) tests=(
+  patches/_common.py|patches/tp_reduce/_reduction.py) tests=(
     "$T/test_tp_reduce_megatron_core.py::test_a_patch_serving_an_option_applies_exactly_when_the_option_has_that_value"
     "$T/test_tp_reduce_megatron_core.py::test_reduction_mode_checks_the_group_first_and_takes_only_bf16_and_fp16_tensors"
     "$T/test_cross_rank.py::test_different_settings_in_one_tp_group_are_refused"
@@ -142,16 +142,16 @@ case $module in
     "$T/test_cross_rank.py::test_data_parallel_replicas_with_different_settings_are_refused"
     "$T/test_cross_rank.py::test_data_parallel_replicas_at_tp1_with_different_settings_are_refused"
     "$T/test_cross_rank.py::test_disable_then_enable_the_same_settings_is_no_mismatch") ;;
-  patches/cross_rank.py) tests=(
+  patches/cross_rank/publish_settings.py) tests=(
     "$T/test_doctor_agrees_with_run.py::test_transformer_engine_counts_as_missing_where_megatron_cores_layer_specs_could_not_import_it"
     "$T/test_doctor_agrees_with_run.py::test_transformer_engine_missing_stops_the_run_in_the_doctors_words_only_where_megapatch_is_active"
     "$T/test_doctor.py::test_transformer_engine_missing_is_said_first_before_any_megapatch_reason"
     "$T/test_cross_rank.py") ;;
-  patches/logits_fp32_rl_logprobs.py|patches/tp_invariant_rl_logprobs.py|patches/tp_invariant_rl_refit.py) tests=(
+  patches/logits/fp32_rl_logprobs.py|patches/tp_invariant/rl_logprobs.py|patches/tp_invariant/rl_refit.py) tests=(
     "$T/test_train_rl.py") ;;
-  patches/tp_invariant_attention.py|patches/tp_invariant_engine_attention.py|megapatch/numerics/attention.py) tests=(
+  patches/tp_invariant/attention.py|patches/tp_invariant/engine_attention.py|megapatch/numerics/attention.py) tests=(
     "$T/test_tp_invariant_attention.py") ;;
-  patches/logits_fp32_inference.py) tests=(
+  patches/logits/fp32_inference.py) tests=(
     "$T/test_logits_fp32_inference.py::test_the_pipeline_forward_returns_the_models_fp32_logits_of_every_micro_batch_in_order"
     "$T/test_logits_fp32_inference.py::test_the_logits_broadcast_is_asked_for_fp32_with_every_other_argument_passed_on"
     "$T/test_logits_fp32_inference.py::test_the_dynamic_engines_logits_buffers_are_reallocated_in_fp32_only_when_low_precision"
@@ -163,7 +163,7 @@ case $module in
     "$T/test_logits_fp32_dynamic_inference.py::test_fp32_logits_reach_the_dynamic_engines_sampler_and_log_probs"
     "$T/test_logits_fp32_dynamic_inference.py::test_mtp_draft_logits_are_fp32"
     "$T/test_logits_fp32_dynamic_inference.py::test_upstreams_dynamic_inference_example_runs_on_cpu_ranks_with_fp32_logits") ;;
-  patches/fp8_align_transposes.py) tests=(
+  patches/fp8/align_transposes.py) tests=(
     "$T/test_fp8_align_transposes.py::test_each_reason_to_pass_through_is_found_on_any_chunk_and_named"
     "$T/test_fp8_align_transposes.py::test_a_te_before_2_10_is_named_where_megatron_dispatches_its_processing_to_nothing"
     "$T/test_fp8_align_transposes.py::test_a_chunks_ddp_is_found_through_up_to_four_module_wrappers"
@@ -225,7 +225,7 @@ case $module in
     "$T/test_integrations_nemo_run.py::test_setup_adds_the_variables_and_keeps_the_executors_own"
     "$T/test_integrations_nemo_run.py::test_invalid_value_fails_when_the_plugin_is_built"
     "$T/test_startup_hook.py") ;;
-  patches/tp_reduce_moe.py) tests=(
+  patches/tp_reduce/moe.py) tests=(
     "$T/test_moe.py::test_the_probabilities_are_swapped_for_fp32_only_around_an_fp32_sum_of_low_precision_probabilities"
     "$T/test_moe.py::test_the_moe_layer_rounds_its_fp32_sum_once_to_its_input_dtype_and_refuses_a_rounded_one"
     "$T/test_moe.py::test_construction_refuses_before_upstream_builds_and_marks_after_and_only_under_fp32"
@@ -345,7 +345,7 @@ case $module in
     "$T/test_moe.py::test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does"
     "$T/test_megatron_lm.py::test_doctor_reads_flags_as_megatron_lm_parses_them"
     "$T/test_megatron_lm.py::test_doctor_refuses_several_distributed_optimizer_instances_for_the_mode") ;;
-  megapatch/commands/doctor.py) tests=(
+  megapatch/commands/doctor.py|megapatch/commands/doctor_text.py|megapatch/commands/upstream_stops.py) tests=(
     "$T/test_doctor.py"
     "$T/test_cli.py::test_help_documents_exit_codes"
     "$T/test_bridge.py::test_doctor_names_both_logit_dtype_settings_and_exits_1"
@@ -354,14 +354,14 @@ case $module in
     "$T/test_moe.py::test_doctor_says_which_moe_flags_fp32_refuses_as_the_run_does"
     "$T/test_megatron_lm.py::test_doctor_refuses_several_distributed_optimizer_instances_for_the_mode"
     "$T/test_install.py::test_doctor_reports_the_megatron_core_of_the_checkout") ;;
-  patches/tp_reduce_transformer_engine.py) tests=(
+  patches/tp_reduce/transformer_engine.py|patches/tp_reduce/_te_forward.py|patches/tp_reduce/_te_reductions.py) tests=(
     "$T/test_tp_reduce_transformer_engine_wiring.py"
     "$T/test_tp_reduce_transformer_engine_oracles.py"
     "$T/test_te_verdict.py"
     "$T/test_hardening_engine.py::test_skip_patches_opts_one_patch_out_and_says_so"
     "$T/test_hardening_engine.py::test_skip_patches_argument_removes_an_installed_patch"
     "$T/test_doctor.py::test_doctor_reports_versions_and_patches") ;;
-  megapatch/te_check/wiring.py) tests=(
+  megapatch/te_check/wiring.py|megapatch/te_check/sources.py|megapatch/te_check/definitions.py|megapatch/te_check/call_sites.py) tests=(
     "$T/test_tp_reduce_transformer_engine_wiring.py::test_check_reports_broken_wiring"
     "$T/test_tp_reduce_transformer_engine_wiring.py::test_release_is_wired_as_the_patch_relies_on"
     "$T/test_tp_reduce_transformer_engine_wiring.py::test_every_target_is_checked_in_every_release"
@@ -412,7 +412,7 @@ case $module in
     "$T/test_launcher.py"
     "$T/test_startup_hook.py"
     "$T/test_install.py::test_target_install_activates_through_the_launcher") ;;
-  patches/linear.py) tests=(
+  patches/linear/fp32_output.py) tests=(
     "$T/test_tp_reduce_megatron_core.py"
     "$T/test_logits.py"
     "$T/test_lifecycle.py"

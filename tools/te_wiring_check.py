@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Check, statically, that every claimed Transformer Engine release is wired as megapatch's TE
-patch (patches/tp_reduce_transformer_engine.py) relies on.
+patch (patches/tp_reduce/transformer_engine.py) relies on.
 
 For each release in tools/te_wiring_versions.json it reads the Python sources of
 ``transformer_engine-<version>-py3-none-any.whl`` (~1 MB, sources only; no TE install, no GPU)
@@ -27,13 +27,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import te_releases  # noqa: E402 -- beside this file
-from megapatch.patches import tp_reduce_transformer_engine as spec  # noqa: E402
+from megapatch.patches.tp_reduce import transformer_engine as spec  # noqa: E402
 from megapatch.te_check import wiring  # noqa: E402
+from megapatch.te_check.sources import Sources  # noqa: E402
 
 
 def _check_wheel(args):
     version, path = args
-    return version, wiring.check(wiring.Sources.wheel(path, label=version), spec)
+    return version, wiring.check(Sources.wheel(path, label=version), spec)
 
 
 def main(argv=None) -> int:
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         for version, problems in pool.map(_check_wheel, paths.items()):
             results[version] = problems
     for root in args.tree:
-        results[f"tree {root}"] = wiring.check(wiring.Sources.tree(root), spec)
+        results[f"tree {root}"] = wiring.check(Sources.tree(root), spec)
     bad = 0
     for label, problems in results.items():
         print(f"TE {label}: " + ("wiring as megapatch relies on" if not problems else f"{len(problems)} problem(s)"))

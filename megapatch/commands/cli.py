@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("doctor", "status"):
         try:
-            from megapatch.commands.doctor import render_doctor, render_status, survey
+            from megapatch.commands.doctor import survey
+            from megapatch.commands.doctor_text import render_doctor, render_status
         except ImportError as exc:  # megapatch's own requirement (wrapt, packaging) is missing
             message = (f"megapatch {args.command} cannot run: {exc} (megapatch needs wrapt and packaging: "
                        f"pip install megapatch, or pip install wrapt packaging)")

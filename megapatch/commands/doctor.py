@@ -12,6 +12,10 @@ checks every patch against the original upstream.
 Exit codes: 0 everything requested can apply; 1 a requested patch cannot apply, activation
 from the environment fails or never happens, or (``doctor -- <Megatron-LM flags>``) the flags'
 job would be refused or stop before its first step; 2 an invalid ``MEGAPATCH_*`` value.
+
+The survey, its preflight of a Megatron-LM command line and the exit code are here; the text
+views are in ``megapatch.commands.doctor_text``, and what stops a Megatron-LM job upstream, before
+any megapatch check, in ``megapatch.commands.upstream_stops``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from megapatch.core.version import __version__
 from megapatch.core import engine, options, report, state, upstream_versions
-from megapatch.core.report import _table
+from megapatch.commands.doctor_text import render_doctor
+from megapatch.commands.upstream_stops import _stop_lines, _upstream_stop_causes
 
 OK, CANNOT_APPLY, INVALID_ENVIRONMENT = 0, 1, 2
 # the modules whose import activates megapatch from the environment (see _bootstrap)
@@ -263,70 +268,6 @@ def _stacks() -> dict:
             for package, (_module, specifier) in upstream_versions.STACKS_TESTED.items()}
 
 
-_STOPS_FIRST = " (this stops the job before any megapatch check)"
-
-
-def _upstream_stop_causes(config) -> List[tuple]:
-    """``[(cause in a few words, the whole reason), ...]``: what stops the flags' job before any
-    megapatch check could. Megatron-LM's default Transformer Engine layers where TE is not
-    installed (the rule the run applies itself where megapatch is active:
-    ``patches.cross_rank.transformer_engine_stop``), and Megatron-LM core_v0.16.1's own checks of
-    MoE flags, which run before megatron-core's model-parallel state exists (``validate_args``,
-    then ``TransformerConfig.__post_init__``): megapatch never gets to refuse those jobs."""
-    from megapatch.patches.cross_rank import transformer_engine_missing, transformer_engine_stop
-
-    found = []  # in the order upstream meets them
-    experts, ep = getattr(config, "num_moe_experts", None), getattr(config, "expert_model_parallel_size", 1) or 1
-    if getattr(config, "moe_grouped_gemm", False) and not _cuda_available():
-        cause = "--moe-grouped-gemm without CUDA"
-        found.append((cause, f"{cause}: Megatron-LM's validate_args asks torch.cuda for the GPU's compute "
-                             f"capability (grouped GEMM needs >= 8.0) and fails on a machine without CUDA. "
-                             f"Leave --moe-grouped-gemm off there"))
-    if ep > 1 and (not experts or experts % ep):
-        cause = (f"--num-experts {experts} is not a multiple of --expert-model-parallel-size {ep}" if experts
-                 else f"--expert-model-parallel-size {ep} without --num-experts")
-        found.append((cause, f"{cause}: Megatron-LM's validate_args refuses it (AssertionError: \"Number of experts "
-                             f"should be a multiple of expert model parallel_size\"). Use a number of experts "
-                             f"that {ep} divides, or another --expert-model-parallel-size"))
-    if getattr(config, "moe_permute_fusion", False) and not _fused_permute_available():
-        cause = "--moe-permute-fusion without Transformer Engine"
-        found.append((cause, f"{cause}: megatron-core's TransformerConfig refuses it (ValueError: fused "
-                             f"permutation is not available. Please install TE >= 2.1.0; or an ImportError "
-                             f"of fused_permute where megatron-core has no such function). Leave "
-                             f"--moe-permute-fusion off, or install transformer-engine >= 2.1"))
-    stop = transformer_engine_stop(config)
-    if stop:
-        found.append((transformer_engine_missing(config), stop))
-    return found
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001 -- no torch, or a broken CUDA runtime: no GPU for upstream either
-        return False
-
-
-def _fused_permute_available() -> bool:
-    """Whether megatron-core's MoE utilities have Transformer Engine's fused permutation (upstream's
-    own record where it can be imported, else whether TE can be found)."""
-    try:
-        from megatron.core.transformer.moe import moe_utils
-    except Exception:  # noqa: BLE001 -- no megatron here: TE is what upstream would need
-        return importlib.util.find_spec("transformer_engine") is not None
-    return all(getattr(moe_utils, name, None) is not None for name in ("fused_permute", "fused_unpermute"))
-
-
-def _stop_lines(causes: List[tuple]) -> List[str]:
-    return [f"{stop}{_STOPS_FIRST}" for _, stop in causes]
-
-
-def _upstream_stops(config) -> List[str]:
-    """What stops the flags' job before any megapatch check could, each reason in full."""
-    return _stop_lines(_upstream_stop_causes(config))
-
 
 @contextlib.contextmanager
 def _settings_of_the_job(settings: options.Settings, sources: dict):
@@ -394,130 +335,6 @@ def _verdict(result: dict, strict: bool):
         return CANNOT_APPLY, "doctor could not check everything (exit 1)"
     return OK, "OK"
 
-
-# -- text views --------------------------------------------------------------------------------
-
-def _versions_lines(result: dict) -> List[str]:
-    return _table(("package", "version"), [(k, v or "absent") for k, v in result["versions"].items()])
-
-
-def _settings_lines(result: dict) -> List[str]:
-    if result["settings"] is None:
-        return [f"ERROR: {result['error']}"]
-    def text(value):
-        if isinstance(value, (tuple, list)):
-            return ",".join(map(str, value)) or "none"
-        return str(value)
-
-    return _table(("option", "value", "from"),
-                  [(k, text(v), result["sources"].get(k, "")) for k, v in result["settings"].items()])
-
-
-def _supported_text(row: dict) -> str:
-    supported = row["supported"]
-    if not supported:
-        return ""
-    if isinstance(supported, dict):
-        return "supported: " + ", ".join(f"{k} {v}" for k, v in supported.items())
-    return f"supported: {row['package'] or ''} {supported}".replace("  ", " ")
-
-
-def render_doctor(result: dict) -> str:
-    lines = [f"megapatch {result['megapatch']} doctor", ""]
-    lines += _versions_lines(result)
-    for package, stack in result.get("stacks", {}).items():
-        if stack["version"] is None:
-            continue
-        lines.append(f"{package} {stack['version']} (megapatch was run under {stack['tested']})"
-                     + (f"; WARNING: {stack['warning']}" if stack["warning"] else ""))
-    lines.append("")
-    env = result["environment"]
-    lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env["variables"].items())
-                                    or "no MEGAPATCH_* variable set"))
-    for name, close in env["unknown"].items():
-        lines.append(f"WARNING: {name} is not a megapatch variable and is ignored"
-                     + (f" (did you mean {close}?)" if close else ""))
-    lines.append("")
-    lines += _settings_lines(result)
-    if result["disabled"]:
-        lines.append(f"{options.DISABLE_ENV} is set: nothing would be enabled")
-    activation = result["activation"]
-    lines.append("")
-    lines.append(f"activation: {activation['state']}: {activation['detail']}")
-    if activation.get("patches"):
-        lines.append("  after import: " + ", ".join(f"{k} {v}" for k, v in activation["patches"].items()
-                                                    if v != "inactive"))
-    rows = []
-    for r in result["patches"]:
-        requested = "?" if r["requested"] is None else ("opted-out" if r["opted_out"] and r["requested"]
-                                                        else "yes" if r["requested"] else "no")
-        detail = "; ".join(r["problems"]) if r["problems"] else f"{r['targets']} targets checked"
-        if r["backend"] and r["requested"]:
-            detail += f"; backend: {r['backend']}"
-        supported = _supported_text(r)
-        if supported:
-            detail += f"; {supported}"
-        for line in r.get("untested", ()):
-            detail += f"; untested: {line}"
-        rows.append((r["name"], requested, r["upstream"], detail))
-    lines.append("")
-    lines += _table(("patch", "requested", "upstream", "detail"), rows)
-    lines += _flags_lines(result)
-    for problem in result["problems"]:
-        lines.append(f"ERROR: {problem}")
-    if result["upstream_warnings"]:
-        lines.append("")
-        lines.append(f"({result['upstream_warnings']} upstream warnings raised while importing were hidden)")
-    lines.append("")
-    lines.append(f"result: {result['result']['message']}")
-    return "\n".join(lines)
-
-
-def _flags_lines(result: dict) -> List[str]:
-    flags = result["flags"]
-    if flags is None:
-        return []
-    lines = ["", "Megatron-LM flags: " + (" ".join(flags["argv"]) or "(none)")]
-    if flags["config"]:
-        lines.append("  model and optimizer they build: " + ", ".join(f"{k}={v}" for k, v in flags["config"].items()))
-    for reason in flags.get("stops", ()):
-        lines.append(f"  STOPS FIRST, upstream: {reason}")
-    for name, reason in flags["refusals"].items():
-        lines.append(f"  REFUSED by {name}: {reason}")
-    if flags["config"] and not flags["refusals"]:
-        lines.append("  no requested patch refuses them")
-    return lines
-
-
-def _coverage_lines(result: dict) -> List[str]:
-    """What each patch that would install covers and refuses (its backend line: for the MoE patches
-    the paths covered and the configurations refused at construction)."""
-    found = [(r["name"], r["backend"]) for r in result["patches"] if r["would_install"] and r["backend"]]
-    if not found:
-        return []
-    return ["", "what the patches that would install cover:"] + [f"  {name}: {text}" for name, text in found]
-
-
-def render_status(result: dict) -> str:
-    lines = [f"megapatch {result['megapatch']}: what this environment would do",
-             "versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in result["versions"].items()), ""]
-    lines += _settings_lines(result)
-    if result["disabled"]:
-        lines.append(f"{options.DISABLE_ENV} is set: nothing would be enabled")
-    lines.append("")
-    rows = []
-    for r in result["patches"]:
-        requested = "?" if r["requested"] is None else ("yes" if r["requested"] else "no")
-        rows.append((r["name"], requested, "yes" if r["opted_out"] else "no", r["upstream"],
-                     "yes" if r["would_install"] else "no", r["why"]))
-    lines += _table(("patch", "requested", "opted-out", "upstream", "would install", "why"), rows)
-    lines += _coverage_lines(result)
-    activation = result["activation"]
-    if activation["state"] in ("failed", "not-run"):
-        lines += ["", f"activation: {activation['state']}: {activation['detail']}"]
-    lines += _flags_lines(result)
-    lines += ["", f"result: {result['result']['message']}"]
-    return "\n".join(lines)
 
 
 def diagnose():

@@ -112,16 +112,26 @@ class Patch:
 
 
 def discover() -> Tuple[Patch, ...]:
-    """Every ``Patch`` declared by the modules of ``megapatch.patches``, in module order."""
+    """Every ``Patch`` declared in ``megapatch.patches``: each family package's record modules
+    (``<family>/<what>.py``; modules starting with ``_`` hold shared helpers), families and their
+    modules in name order."""
     package = importlib.import_module("megapatch.patches")
     found = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        found.extend(getattr(module, "PATCHES", ()))
+    for family in _public_modules(package):
+        if not family.ispkg:
+            raise RuntimeError(f"megapatch: {package.__name__}.{family.name} is a module; a patch family is a "
+                               f"package, its records in <family>/<what>.py")
+        family_package = importlib.import_module(f"{package.__name__}.{family.name}")
+        for info in _public_modules(family_package):
+            module = importlib.import_module(f"{family_package.__name__}.{info.name}")
+            found.extend(getattr(module, "PATCHES", ()))
     names = [p.name for p in found]
     duplicated = {n for n in names if names.count(n) > 1}
     if duplicated:
         raise RuntimeError(f"megapatch: duplicate patch names {sorted(duplicated)}")
     return tuple(found)
+
+
+def _public_modules(package):
+    return [info for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name)
+            if not info.name.startswith("_")]

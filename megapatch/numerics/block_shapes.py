@@ -4,7 +4,7 @@ Every dimension tensor parallelism splits is cut into W equal blocks (W = ``tp_i
 and each TP rank owns W/TP of them, so the TP size must divide W and W must divide every split
 dimension. The functions here say which part of a model breaks that rule, naming the size, the
 Megatron-LM flag that set it and what to change: ``(what, why)`` pairs, in the words of
-``patches/tp_invariant.py``'s refusals. The same functions decide at model construction (the
+the refusals of ``tp_invariant`` (``patches/tp_invariant/_refusal_tables.py``). The same functions decide at model construction (the
 patch) and before a job is submitted (``megapatch doctor -- <flags>``, through the patch's
 preflight), so the two cannot disagree.
 

@@ -1,5 +1,5 @@
 """One routed expert's forward under ``tp_invariant``: which expert MLP runs, its tokens' routing
-probabilities and where its rows come from (``block_tree.TokenSources``).
+probabilities and where its rows come from (``gradient_terms.TokenSources``).
 
 The mode's MLP wrapper opens the call for the length of the expert's forward; the linear wrappers
 of both implementations -- megatron-core's local layers and Transformer Engine's -- read it, so an
@@ -20,7 +20,7 @@ from megapatch.core.scope import scoped
 class ExpertCall:
     mlp: Any  # the expert's MLP: its linear_fc1 and linear_fc2 are the call's layers
     probabilities: Any  # [rows] routing probabilities, scaling fc2's input
-    sources: Any  # block_tree.TokenSources of the rows, or None (one data-parallel rank)
+    sources: Any  # gradient_terms.TokenSources of the rows, or None (one data-parallel rank)
     index: Optional[int] = None  # grouped-GEMM experts: which of the layer's experts (its weight<index>)
 
 
@@ -86,7 +86,7 @@ def grouped_experts(layer, make: bool = True) -> Optional[list]:
 
 def data_parallel():
     """``(rank, size, expert-data-parallel group)``. Any size: each source rank's expert weight
-    gradient is a term of the exact data-parallel sum (``block_tree.source_terms``)."""
+    gradient is a term of the exact data-parallel sum (``gradient_terms.source_terms``)."""
     from megatron.core import parallel_state
 
     return (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
@@ -99,7 +99,7 @@ def token_sources(expert, rows: int):
     recorded = getattr(expert, SOURCES, None)
     if recorded is not None:
         return recorded
-    from megapatch.numerics import block_tree
+    from megapatch.numerics import gradient_terms
 
     rank, size, group = data_parallel()
-    return None if size == 1 else block_tree.TokenSources((rows,), (rank,), group, size)
+    return None if size == 1 else gradient_terms.TokenSources((rows,), (rank,), group, size)

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megapatch.numerics import block_tree as tpi
+from megapatch.numerics import gradient_terms
 
 _INSIDE = contextvars.ContextVar("megapatch_one_sequence", default=False)  # inside one sequence's call
 
@@ -32,9 +32,9 @@ class _SequenceTerm(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.first:
             return grad, None
-        getattr(ctx.param, tpi.SEQUENCE_TERMS)([grad])
+        getattr(ctx.param, gradient_terms.SEQUENCE_TERMS)([grad])
         # a tied weight (every sequence deposited): zeros, so that DDP's hook still runs for it
-        return (torch.zeros_like(grad) if tpi.tied(ctx.param) else None), None
+        return (torch.zeros_like(grad) if gradient_terms.tied(ctx.param) else None), None
 
 
 def inside() -> bool:
@@ -45,7 +45,7 @@ def inside() -> bool:
 def term_view(param: torch.Tensor, i: int) -> torch.Tensor:
     """``param`` as sequence ``i`` reads it: the first sequence's gradient goes to DDP's hook (unless
     the weight is tied: then every sequence deposits its own term)."""
-    return _SequenceTerm.apply(param, i == 0 and not tpi.tied(param))
+    return _SequenceTerm.apply(param, i == 0 and not gradient_terms.tied(param))
 
 
 def trainable_views(module, i: int) -> Dict[str, torch.Tensor]:
@@ -57,7 +57,7 @@ def deposits_terms(module) -> bool:
     """Whether every trainable parameter of ``module`` deposits its terms into the exact
     data-parallel sum (without DDP, or for a frozen layer: no)."""
     trainable = [p for p in module.parameters() if p.requires_grad]
-    return bool(trainable) and all(getattr(p, tpi.SEQUENCE_TERMS, None) is not None for p in trainable)
+    return bool(trainable) and all(getattr(p, gradient_terms.SEQUENCE_TERMS, None) is not None for p in trainable)
 
 
 def run_per_sequence(module, sequences: int, call: Callable[[int, Dict[str, torch.Tensor]], tuple],

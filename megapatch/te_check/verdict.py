@@ -24,6 +24,10 @@ log = logging.getLogger("megapatch")
 
 PKG = ("transformer_engine", "pytorch")
 _CHECKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wiring.py")
+# the modules the checker is split into (``wiring`` imports them): an edit of any of them is an edit
+# of the checker, so they are hashed into the key with it
+_CHECKER_PARTS = tuple(os.path.join(os.path.dirname(_CHECKER), name)
+                       for name in ("sources.py", "definitions.py", "call_sites.py"))
 
 
 def cache_dir() -> str:
@@ -46,7 +50,7 @@ def installation_key(root: str, spec) -> str:
 
     digest = hashlib.sha256()
     digest.update(f"te {version_of('transformer-engine')}\n".encode())
-    for path in (_CHECKER, spec.__file__):
+    for path in (_CHECKER, *_CHECKER_PARTS, spec.__file__):
         with open(path, "rb") as f:
             digest.update(hashlib.sha256(f.read()).digest())
     top = os.path.join(root, *PKG)
@@ -74,8 +78,9 @@ def verdict(root: str, spec, use_cache: bool = True) -> Tuple[Tuple[str, ...], s
         except (OSError, ValueError, KeyError):
             pass
     from megapatch.te_check import wiring  # the static checker: only on a cache miss
+    from megapatch.te_check.sources import Sources
 
-    problems = tuple(wiring.check(wiring.Sources.tree(root, label=f"installed TE at {root}"), spec))
+    problems = tuple(wiring.check(Sources.tree(root, label=f"installed TE at {root}"), spec))
     if not use_cache:
         return problems, "checked"
     try:

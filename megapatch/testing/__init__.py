@@ -19,7 +19,9 @@ before it applies its ``env``) does not import torch or megatron.
 """
 
 from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds, workarounds_active
-from megapatch.testing.ranks.harness import RankContext, RankFailure, RankTimeout, reinit_model_parallel, run_ranks
+from megapatch.testing.ranks.harness import run_ranks
+from megapatch.testing.ranks.rank_context import RankContext, reinit_model_parallel
+from megapatch.testing.ranks.rank_results import RankFailure, RankTimeout
 
 _TINY_GPT_NAMES = (
     "Batch",

@@ -20,7 +20,7 @@ def _body(ctx):
     import megatron.core.extensions.transformer_engine as te_extension
     from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
     from megatron.core.transformer import TransformerConfig
-    from megapatch.patches.logits import lm_head
+    from megapatch.patches.logits._lm_head import lm_head
 
     te_extension.te_general_gemm = _te_gemm_stand_in
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=2,

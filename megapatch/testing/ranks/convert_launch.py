@@ -74,8 +74,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     import multiprocessing.process
 
     from megapatch.testing.stand_ins.convert_compat import CONVERTER_WORKAROUNDS
-    from megapatch.testing.stand_ins.cpu_compat import Replacements, cpu_workarounds
+    from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
     from megapatch.testing.stand_ins.megatron_lm_compat import megatron_lm_workarounds
+    from megapatch.testing.stand_ins.replacements import Replacements
 
     started: list = []
 

@@ -11,7 +11,8 @@ The script runs as ``__main__`` with ``sys.path[0]`` set to its directory, exact
 Around it, the CUDA-only calls of megatron-core (:mod:`megapatch.testing.stand_ins.cpu_compat`) and of
 Megatron-LM's ``megatron/training`` (:mod:`megapatch.testing.stand_ins.megatron_lm_compat`) are redirected to
 CPU stand-ins; each is listed with the upstream call it replaces in those modules' docstrings and
-``WORKAROUNDS`` tables. No numerics change and no Megatron-LM file is edited.
+``WORKAROUNDS`` tables. No Megatron-LM file is edited. With ``--te``, Transformer Engine's kernels run as
+torch stand-ins (:mod:`megapatch.testing.stand_ins.te_runtime`): TE's CUDA numerics are not reproduced.
 
 The launcher never enables megapatch itself: ``MEGAPATCH_*`` variables activate it through the
 installed startup hook, as in any other launch.
@@ -44,10 +45,12 @@ def _banner(script: str, bridge: bool = False, te: bool = False) -> None:
 
         count += len(bridge_compat.TRAINING_WORKAROUNDS)
         modules += ", bridge_compat; TE and nvidia-resiliency-ext as scoped import stand-ins"
+    arithmetic = "the arithmetic is torch's CPU kernels"
     if te:
-        modules += "; Transformer Engine's kernels on CPU: te_runtime"
+        modules += "; te_runtime"
+        arithmetic = "Transformer Engine's kernels are torch stand-ins, not TE's CUDA numerics"
     print(f"megapatch.testing.ranks.cpu_launch: running {script} on CPU ranks with {count} CUDA "
-          f"stand-ins ({modules}); numerics unchanged", file=sys.stderr, flush=True)
+          f"stand-ins ({modules}); {arithmetic}", file=sys.stderr, flush=True)
 
 
 def _flag(argv: List[str], name: str, default: Optional[str] = None) -> Optional[str]:
@@ -101,7 +104,7 @@ def script_from(argv: Optional[List[str]], usage: str, prefix: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None, extra: tuple = ()) -> None:
-    """``extra``: more :class:`~megapatch.testing.stand_ins.cpu_compat.Workaround` s, applied as
+    """``extra``: more :class:`~megapatch.testing.stand_ins.replacements.Workaround` s, applied as
     Megatron-LM's own are (when their module is imported), e.g. Megatron RL's
     (:mod:`megapatch.testing.ranks.rl_launch`)."""
     from megapatch.testing.ranks import rank_server

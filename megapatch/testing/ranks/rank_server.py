@@ -30,24 +30,27 @@ Contract:
 :func:`forward` makes a thin process (what ``torchrun`` starts per rank) run its work in a child of
 the server named by ``MPTEST_RANK_SERVER`` and exit with the child's status, forwarding signals;
 :func:`request` is the same for a caller that manages the child itself (``run_ranks``).
+
+The parts: the server process (:mod:`~megapatch.testing.ranks.rank_server_process`) and the
+messages on its socket (:mod:`~megapatch.testing.ranks.rank_server_wire`); this module is the
+requester's side and starts the servers.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import pickle
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
-import traceback
 from typing import Any, Dict, List, Optional, Sequence
+
+from megapatch.testing.ranks.rank_server_wire import _recv_qword, _send_request
 
 #: the variable naming a rank server's socket; a requester's child never sees it (its own
 #: subprocesses start as usual)
@@ -74,196 +77,11 @@ MEGATRON_PRELOAD = (
 PROFILES = {"base": PRELOAD, "megatron": PRELOAD + MEGATRON_PRELOAD}
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2)
-_QWORD = struct.Struct("!q")
 _in_child = False  # True in a server's child while it runs its request
-_POLL_S = 0.05
 
 
 class RankServerError(RuntimeError):
     """The rank server could not be started or reached, or went away before its child finished."""
-
-
-# --- wire format ----------------------------------------------------------------------------------
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> Optional[bytes]:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def _recv_qword(sock: socket.socket) -> Optional[int]:
-    data = _recv_exactly(sock, _QWORD.size)
-    return None if data is None else _QWORD.unpack(data)[0]
-
-
-def _send_request(sock: socket.socket, request: Dict[str, Any], fds: Sequence[int]) -> None:
-    payload = pickle.dumps(request)
-    socket.send_fds(sock, [_QWORD.pack(len(payload))], list(fds))
-    sock.sendall(payload)
-
-
-def _recv_request(sock: socket.socket):
-    header, fds, _flags, _addr = socket.recv_fds(sock, _QWORD.size, 3)
-    rest = _recv_exactly(sock, _QWORD.size - len(header)) if len(header) < _QWORD.size else b""
-    if not header or rest is None:
-        return None, fds
-    payload = _recv_exactly(sock, _QWORD.unpack(header + rest)[0])
-    return (None if payload is None else pickle.loads(payload)), fds
-
-
-# --- server side ----------------------------------------------------------------------------------
-
-
-def serve(address: str, sys_path: List[str], profile: str = "base") -> None:
-    """Preload ``PROFILES[profile]``, listen on ``address``, fork a child per request until stdin closes."""
-    sys.path[:] = sys_path
-    for name in PROFILES[profile]:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 -- an optional package that is absent or broken: the child imports it itself
-            pass
-    allowed = ("megatron",) if profile == "megatron" else ()
-    leaked = [m for m in ("megatron", "transformer_engine", "megapatch.core.engine")
-              if m in sys.modules and m not in allowed]
-    if leaked:
-        raise RankServerError(f"the rank server's preload imported {leaked}: children would not start fresh")
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
-        raise RankServerError("the rank server's preload initialised CUDA: its children could not use it")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(64)
-    print("ready", flush=True)
-    children: Dict[int, socket.socket] = {}
-    while True:
-        readable, _, _ = select.select([listener, sys.stdin], [], [], _POLL_S)
-        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
-            listener.close()
-            os._exit(0)  # whoever started the server is gone; running children keep their connections
-        if listener in readable:
-            conn, _ = listener.accept()
-            request, fds = _recv_request(conn)
-            if request is None:
-                conn.close()
-            else:
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    for other in children.values():
-                        other.close()
-                    _child(conn, request, fds)  # never returns
-                for fd in fds:
-                    os.close(fd)
-                children[pid] = conn
-                conn.sendall(_QWORD.pack(pid))
-        _reap(children)
-
-
-def _reap(children: Dict[int, socket.socket]) -> None:
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is not None:
-            try:
-                conn.sendall(_QWORD.pack(status))
-            except OSError:  # the requester is gone
-                pass
-            conn.close()
-
-
-def _die_with_requester(conn: socket.socket) -> None:
-    """Block until the requester's end closes (it sends nothing after the request), then die."""
-    try:
-        while conn.recv(1):
-            pass
-    except OSError:
-        pass
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _child(conn: socket.socket, request: Dict[str, Any], fds: Sequence[int]) -> None:
-    for sig in (signal.SIGCHLD, *FORWARDED_SIGNALS):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a new interpreter
-    for target_fd, fd in enumerate(fds):
-        os.dup2(fd, target_fd)
-        os.close(fd)
-    threading.Thread(target=_die_with_requester, args=(conn,), name="rank-server-requester",
-                     daemon=True).start()
-    code = 1
-    try:
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        if not request.get("pass_server_on"):
-            os.environ.pop(ENV, None)
-        sys.path[:] = request["path"]
-        sys.argv[:] = request["argv"]
-        warning_options = os.environ.get("PYTHONWARNINGS")
-        if warning_options:  # read at interpreter start: applied as start-up applies them
-            import warnings
-
-            warnings._processoptions([o for o in warning_options.split(",") if o])
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads and threads.isdigit():
-            import torch
-
-            torch.set_num_threads(int(threads))
-        if any(name.startswith("MEGAPATCH_") for name in os.environ):  # as megapatch-startup.pth does
-            from megapatch.core import startup
-
-            startup.activate_from_environment()
-        if request["target"] is not None and request["main"]:  # the requester's __main__ as
-            from multiprocessing import spawn  # __mp_main__, as spawn does (pickled functions)
-
-            spawn.prepare(request["main"])
-        global _in_child
-        _in_child = True  # a forward() in what runs here runs here
-        if request["target"] is None:  # the requester's own __main__ again, as __main__
-            import runpy
-
-            main = request["main"]
-            if "init_main_from_name" in main:
-                runpy.run_module(main["init_main_from_name"], run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(main["init_main_from_path"], run_name="__main__")
-        else:
-            module, _, function = request["target"].partition(":")
-            getattr(importlib.import_module(module), function)(*request["args"])
-        code = 0
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    except BaseException:  # noqa: BLE001 -- as an uncaught exception at interpreter level
-        try:
-            sys.excepthook(*sys.exc_info())
-        except BaseException:  # noqa: BLE001
-            traceback.print_exc()
-        code = 1
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code)
-
-
-def _exit_code(exc: SystemExit) -> int:
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code & 0xFF
-    print(exc.code, file=sys.stderr)
-    return 1
 
 
 # --- requester side -------------------------------------------------------------------------------
@@ -436,7 +254,7 @@ class _Server:
         self.address = os.path.join(self.dir, "socket")
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAPATCH_") and k != ENV}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-        code = ("import sys, pickle; from megapatch.testing.ranks.rank_server import serve; "
+        code = ("import sys, pickle; from megapatch.testing.ranks.rank_server_process import serve; "
                 "serve(sys.argv[1], pickle.loads(bytes.fromhex(sys.argv[2])), sys.argv[3])")
         # the preload's own output (upstream import warnings) goes to a file, not the user's terminal:
         # each child's output goes to its requester's streams

@@ -139,7 +139,7 @@ def build_full_then_shard(ctx, ep: int, config, seed: int = 1234, vocab: int = V
 
     from megatron.core import parallel_state
 
-    from megapatch.testing.ranks.harness import reinit_model_parallel
+    from megapatch.testing.ranks.rank_context import reinit_model_parallel
 
     tp = config.tensor_model_parallel_size
     reinit_model_parallel(ctx, tp=1)
@@ -374,7 +374,7 @@ def invariant_training(ctx, layouts: Sequence[Tuple[int, int]], dispatcher: str,
     from megapatch.testing.models.tiny_gpt import (
         build_bf16_optimizer, cuda_type_names, gather_full_grads, gather_full_weights, gather_tp_logits,
         sum_tp_replicated_grads)
-    from megapatch.testing.ranks.harness import _megatron_context
+    from megapatch.testing.ranks.rank_context import _megatron_context
 
     out: Dict[Any, Any] = {}
     for mode in modes:

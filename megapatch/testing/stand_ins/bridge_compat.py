@@ -208,7 +208,7 @@ def import_bridge():
 
 # --- Bridge's training loop on CPU ranks (megapatch.testing.ranks.cpu_launch --bridge) -----------------
 
-from megapatch.testing.stand_ins.cpu_compat import Workaround  # noqa: E402
+from megapatch.testing.stand_ins.replacements import Workaround  # noqa: E402
 from megapatch.testing.stand_ins.megatron_lm_compat import _allow_no_cuda, _one_cuda_device  # noqa: E402
 
 _B_INIT = "megatron.bridge.training.initialize"

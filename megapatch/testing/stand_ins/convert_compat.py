@@ -64,7 +64,7 @@ import os
 import sys
 from typing import Tuple
 
-from megapatch.testing.stand_ins.cpu_compat import Workaround
+from megapatch.testing.stand_ins.replacements import Workaround
 
 __all__ = ["CONVERTER_WORKAROUNDS", "FORCED_OFF"]
 

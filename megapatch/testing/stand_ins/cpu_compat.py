@@ -24,6 +24,10 @@ Scope limit: the redirect of literal ``device="cuda"`` arguments is a
 entered the context (autograd runs CPU backward passes in the calling thread,
 so ``loss.backward()`` is covered); megatron code run on other threads sees
 only the process-wide patches.
+
+The CPU equivalents are here, with the table and its scope; the RNG ones are in ``cpu_rng``, the
+stream ones in ``cpu_streams``, and the :class:`~megapatch.testing.stand_ins.replacements.Workaround`
+record and its apply/restore mechanism in ``replacements``.
 """
 
 from __future__ import annotations
@@ -31,33 +35,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Iterator, Tuple
 
 from megapatch.testing.stand_ins import moe_cpu
+from megapatch.testing.stand_ins.cpu_rng import (_RANDOM_MODULE, _SuppressCpuRngWarning, _cpu_get_rng_state,
+                                                 _cpu_set_rng_state, _cpu_tracker_add)
+from megapatch.testing.stand_ins.cpu_streams import _cpu_current_stream, cpu_side_stream, cpu_stream_context
+from megapatch.testing.stand_ins.replacements import Replacements, Workaround, _resolve
 
-__all__ = ["cpu_workarounds", "workarounds_active", "WORKAROUNDS", "Workaround"]
-
-_RANDOM_MODULE = "megatron.core.tensor_parallel.random"
-_CPU_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
-
-
-@dataclass(frozen=True)
-class Workaround:
-    """One attribute replaced for the duration of :func:`cpu_workarounds`.
-
-    ``module``/``attr`` name the patched object (``attr`` may be dotted, e.g.
-    ``"CudaRNGStatesTracker.add"``); ``replaces`` names the upstream CUDA-only
-    call(s) that made the patch necessary; ``make`` builds the replacement from
-    the original attribute.
-    """
-
-    module: str
-    attr: str
-    replaces: str
-    make: Callable[[Any], Any]
-    optional: bool = False  # skipped when this megatron-core lacks the target
-    creates: bool = False  # the module may lack the attribute (``make`` then gets None)
+__all__ = ["cpu_workarounds", "workarounds_active", "WORKAROUNDS"]
 
 
 # --- replacements -------------------------------------------------------------
@@ -91,67 +77,6 @@ def _noop_synchronize(_original):
         return None
 
     return synchronize
-
-
-def _cpu_current_stream(_original):
-    # Replaces ``torch.cuda.current_stream()`` in megatron-core >= 0.19's
-    # _ParamAndGradBucketGroup.start_grad_sync (distributed/param_and_grad_buffer.py),
-    # which waits on the stream for ``param._cudagraph_wgrad_ready_event`` (set only
-    # by CUDA-graph replay) before reading the gradients, and in Megatron-LM main's
-    # gloo refit (resharding/copy_services), which synchronises it.  On CPU every op
-    # has finished when its Python call returns: a stream on which everything has
-    # happened stands in (torch.cpu.Stream has no ``synchronize``).
-    def current_stream(device=None):
-        return CpuSideStream()
-
-    return current_stream
-
-
-def _cpu_get_rng_state(_original):
-    # Replaces random._get_cuda_rng_state (torch.cuda.random.get_rng_state /
-    # torch.cuda.default_generators). Used by CudaRNGStatesTracker.fork,
-    # _get_all_rng_states and activation checkpointing: on CPU every random op
-    # draws from the CPU default generator, so that generator plays the role
-    # of the "current CUDA generator".
-    import torch
-
-    def _get_cuda_rng_state(*_device_clone_graph_safe, **_kwargs):
-        return torch.get_rng_state()
-
-    return _get_cuda_rng_state
-
-
-def _cpu_set_rng_state(_original):
-    # Replaces random._set_cuda_rng_state (torch.cuda.default_generators[i]
-    # .set_state via torch.cuda._lazy_call). Counterpart of _cpu_get_rng_state.
-    import torch
-
-    def _set_cuda_rng_state(new_state, *_device_graph_safe, **_kwargs):
-        torch.set_rng_state(new_state)
-
-    return _set_cuda_rng_state
-
-
-def _cpu_tracker_add(_original):
-    # Replaces CudaRNGStatesTracker.add, which seeds through
-    # torch.cuda.get_rng_state()/torch.cuda.manual_seed() instead of the
-    # _get/_set_cuda_rng_state helpers. Same bookkeeping and errors as
-    # upstream; the named state is a CPU generator state seeded with ``seed``,
-    # built on a private generator so the default generator is untouched.
-    import torch
-
-    def add(self, name, seed):
-        self._is_initialized = True
-        if seed in self.seeds_:
-            raise Exception('seed {} already exists'.format(seed))
-        self.seeds_.add(seed)
-        if name in self.states_:
-            raise Exception('cuda rng state {} already exists'.format(name))
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(seed)
-        self.states_[name] = generator.get_state()
-
-    return add
 
 
 def _guard_batched_p2p(original):
@@ -196,47 +121,6 @@ def _sequence_parallel_torch_norm(original):
         return module
 
     return staticmethod(__new__)
-
-
-class _CompletedEvent:
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class CpuSideStream:
-    """A side stream on which everything has already happened (CPU ops finish on return)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return _CompletedEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-
-def cpu_side_stream(_original):
-    # Replaces torch.cuda.Stream: the MoE alltoall dispatcher's device-to-host copy stream (it
-    # synchronises on an event recorded there), the dynamic engine's copy stream (>= 0.17).
-    return CpuSideStream
-
-
-def cpu_stream_context(_original):
-    # Replaces the torch.cuda.stream(s) context manager around work on those streams.
-    return lambda stream=None: contextlib.nullcontext()
 
 
 WORKAROUNDS: Tuple[Workaround, ...] = (
@@ -367,65 +251,6 @@ def _make_cuda_literal_mode():
             return func(*args, **kwargs)
 
     return CudaLiteralToCpu()
-
-
-class _SuppressCpuRngWarning(logging.Filter):
-    """Drops upstream fork()'s "CPU RNG state changed" warning.
-
-    With the CPU tracker, random ops inside ``fork()`` legitimately advance the
-    CPU generator (which holds the forked named state), so the upstream check
-    that guards against CPU RNG use inside a CUDA fork is meaningless here.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return _CPU_RNG_WARNING not in record.getMessage()
-
-
-# --- patch bookkeeping --------------------------------------------------------
-
-
-def _resolve(workaround: Workaround) -> Optional[Tuple[Any, str]]:
-    """(owner object, leaf name) of the patch target; None if an optional one is missing."""
-    import importlib
-
-    try:
-        owner = importlib.import_module(workaround.module)
-        *path, leaf = workaround.attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        if not workaround.creates:
-            getattr(owner, leaf)
-    except (ImportError, AttributeError) as exc:
-        if workaround.optional:
-            return None
-        raise RuntimeError(
-            f"cpu_workarounds: cannot patch {workaround.module}.{workaround.attr} "
-            f"(needed for: {workaround.replaces}); this megatron-core version is not "
-            "supported by megapatch.testing") from exc
-    return owner, leaf
-
-
-class Replacements:
-    """Attributes replaced by CPU stand-ins, and how to put each back: the one apply/restore
-    mechanism of ``cpu_workarounds`` and ``megatron_lm_workarounds``."""
-
-    def __init__(self) -> None:
-        self._saved: List[Tuple[Any, str, Any, bool]] = []
-
-    def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        """``owner.name = make(original)``, remembering the original (own or inherited)."""
-        original = getattr(owner, name, None)
-        self._saved.append((owner, name, original, name in vars(owner)))
-        setattr(owner, name, make(original))
-
-    def restore(self) -> None:
-        """Undoes every replacement, last first."""
-        while self._saved:
-            owner, name, original, had_own = self._saved.pop()
-            if had_own:
-                setattr(owner, name, original)
-            elif name in vars(owner):
-                delattr(owner, name)
 
 
 class _PatchState:

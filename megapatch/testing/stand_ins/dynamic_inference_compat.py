@@ -14,7 +14,7 @@ Q·Kᵀ scaled by 1/sqrt(d), an FP32 softmax rounded back to the params dtype, a
 probabilities·V. So a rollout and the training forward run the same attention arithmetic on other
 shapes (one query per decode step, a request's keys so far), which now and then gives a row other
 BF16 bits (tests/test_tp_invariant_attention.py); under ``tp_invariant`` megapatch replaces both with
-one shape-independent arithmetic (``patches/tp_invariant_attention.py``) and this stand-in is not called.
+one shape-independent arithmetic (``patches/tp_invariant/attention.py``) and this stand-in is not called.
 flash-attn itself accumulates in FP32 with an online softmax: its own rounding is not modelled.
 
 ``python -m megapatch.testing.ranks.dynamic_inference_launch SCRIPT.py ...`` (under torchrun) is the CPU
@@ -39,8 +39,9 @@ from typing import Iterator, Tuple
 import torch
 
 from megapatch.numerics.attention import by_request, causal_visible, kv_lengths, paged_rows, repeat_groups
-from megapatch.testing.stand_ins import cpu_compat
-from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround, _resolve, cpu_workarounds
+from megapatch.testing.stand_ins import cpu_streams
+from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
+from megapatch.testing.stand_ins.replacements import Replacements, Workaround, _resolve
 
 __all__ = ["dynamic_inference_workarounds", "WORKAROUNDS", "paged_causal_attention", "dynamic_engine",
            "generate"]
@@ -203,8 +204,8 @@ WORKAROUNDS: Tuple[Workaround, ...] = (
     Workaround("torch.cuda", "LongTensor", "the inference example's CUDA timestamp tensor",
                _cpu_long_tensor),
     Workaround("torch.cuda", "Stream", "CUDA side streams (>= 0.17 asynchronous scheduling)",
-               cpu_compat.cpu_side_stream),
-    Workaround("torch.cuda", "stream", "entering a CUDA side stream", cpu_compat.cpu_stream_context),
+               cpu_streams.cpu_side_stream),
+    Workaround("torch.cuda", "stream", "entering a CUDA side stream", cpu_streams.cpu_stream_context),
     Workaround("torch.cuda", "Event", "CUDA events timing the engine's steps", _cpu_event),
     Workaround("torch.cuda", "memory_stats", "CUDA memory statistics (engine logging)",
                _empty_memory_stats),

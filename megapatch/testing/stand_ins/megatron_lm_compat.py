@@ -73,7 +73,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, Tuple
 
-from megapatch.testing.stand_ins.cpu_compat import Replacements, Workaround, cpu_side_stream, cpu_stream_context
+from megapatch.testing.stand_ins.cpu_streams import cpu_side_stream, cpu_stream_context
+from megapatch.testing.stand_ins.replacements import Replacements, Workaround
 
 __all__ = ["megatron_lm_workarounds", "WORKAROUNDS", "TYPE_REPORT"]
 

@@ -8,7 +8,7 @@ contract of what it replaces and changes no arithmetic:
   ``RouterGatingLinearFunction`` tests it against None: without TE every MoE forward raises
   ``NameError``. The stand-in is the None that check expects (the router's torch.mm path).
 * The alltoall dispatcher creates a ``torch.cuda.Stream`` for its device-to-host copies of the
-  split sizes and synchronises on an event recorded there: ``cpu_compat.CpuSideStream`` (shared
+  split sizes and synchronises on an event recorded there: ``cpu_streams.CpuSideStream`` (shared
   with the dynamic inference engine's stand-ins).
 * ``maybe_move_tensor_to_cpu(as_numpy=True)`` hands the all-to-all its split sizes as numpy
   arrays, but only for CUDA tensors; on CPU the split sizes stay tensors, which gloo's

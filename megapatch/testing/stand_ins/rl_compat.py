@@ -32,7 +32,7 @@ import json
 import os
 from typing import Tuple
 
-from megapatch.testing.stand_ins.cpu_compat import Workaround
+from megapatch.testing.stand_ins.replacements import Workaround
 
 __all__ = ["WORKAROUNDS", "STATS_ENV", "STATS_FIELDS", "read_rollout_stats"]
 
