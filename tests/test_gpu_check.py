@@ -21,7 +21,7 @@ def test_the_gpu_check_dry_run_passes_every_section_and_writes_both_reports(tmp_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True and set(report["sections"]) == {"block_gemm", "batch_invariance", "tp_invariant",
-                                                                  "fp32_llama", "te_layers"}
+                                                                  "fp32_llama", "te_layers", "production"}
     sections = report["sections"]
     if importlib.util.find_spec("transformer_engine") is None:  # its dry run: CI's te stage (test_te_runtime.py)
         assert sections["te_layers"]["skipped"] == "Transformer Engine is not installed"
@@ -38,7 +38,21 @@ def test_the_gpu_check_dry_run_passes_every_section_and_writes_both_reports(tmp_
     cases = sections["batch_invariance"]["cases"]
     assert {c["rows"] for c in cases} == {1, 7} and all(
         isinstance(c[key], bool) for c in cases for key in ("n_block_same", "k_block_same", "plain_same"))
+    # the production-shape section runs every mode at both run shapes on the code path the GPU runs, and
+    # would run the issue's shapes there (at least hidden 4096, FFN 14336, 32/8 heads, 4 layers, 4 x 4096)
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import gpu_check_production as production
+
+    gpu = production.SHAPES["gpu"]
+    assert gpu["model"]["hidden_size"] >= 4096 and gpu["model"]["ffn_hidden_size"] >= 14336
+    assert (gpu["model"]["num_attention_heads"], gpu["model"]["num_query_groups"]) == (32, 8)
+    assert gpu["model"]["num_layers"] >= 4 and dict(batch=4, seq=4096) in gpu["runs"]
+    assert dict(batch=1, seq=16384) in gpu["runs"]
+    shapes = {(r["mode"], r["batch"], r["seq"]) for r in sections["production"]["rows"]}
+    assert shapes == {(m, r["batch"], r["seq"]) for m in production.MODES for r in production.SHAPES["dry"]["runs"]}
+    assert all(r["step_s"] > 0 and r["ratio_vs_native"] > 0 for r in sections["production"]["rows"])
     text = (tmp_path / "gpu_check.md").read_text()
+    assert "## production: ok" in text and "| tp_invariant | 1 x 128 |" in text
     assert "# GPU check (dry run on CPU)" in text and "do not bring BF16 below TP=1's BF16 error" in text
 
 

@@ -34,6 +34,9 @@ section that fails records its error and the others still run):
    ``tp_invariant``: bit-identical to TP 1 per mode (required for tp_invariant), KL(TP1||TPN), and step
    time and peak memory at TP 1 against native TE. Skipped where TE is not installed; its dry run runs
    in CI's te stage (TE's kernels through the labelled CPU runtime).
+6. ``production``: the cost of each mode at the shapes people train (hidden 4096, SwiGLU FFN 14336,
+   32 heads / 8 KV groups, 4 layers, 4 x 4096 tokens, TP 1; then one sequence of 16,384 tokens where
+   it fits): step time and peak memory against native (``tools/gpu_check_production.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpu_check_production  # noqa: E402 -- the production-shape section, beside this file
 
 SIZES = {
     "gpu": dict(shapes=[(64, 1024, 4096), (256, 4096, 11008), (17, 1536, 3072), (512, 2048, 32000)],
@@ -493,6 +499,8 @@ def markdown(report: dict) -> str:
                       f"{r['rel_l2_vs_fp32']:.4f} |" for r in section["rows"]]
             lines += _cost_lines(section, f"Cost at TP 1: one forward and backward of {section['cost_batch']} "
                                           f"sequences of {section['model']['seq']} tokens")
+        elif name == "production":
+            lines += gpu_check_production.markdown(section)
         elif name == "te_layers" and "skipped" in section:
             lines.append(f"Skipped: {section['skipped']}.")
         elif name == "te_layers":
@@ -530,7 +538,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes (CI)")
     parser.add_argument("--out", default=".", help="directory for gpu_check.json and gpu_check.md")
-    parser.add_argument("--sections", default="block_gemm,batch_invariance,tp_invariant,fp32_llama,te_layers")
+    parser.add_argument("--sections", default="block_gemm,batch_invariance,tp_invariant,fp32_llama,te_layers,production")
     parser.add_argument("--start", default=None, help="run_ranks start method (server or spawn)")
     args = parser.parse_args(argv)
     import torch
@@ -548,7 +556,9 @@ def main(argv=None) -> int:
                "batch_invariance": lambda: batch_invariance(device, sizes["rows"]),
                "tp_invariant": lambda: tp_invariant(device, sizes["invariant"], args.start),
                "fp32_llama": lambda: fp32_llama(device, sizes["llama"], sizes["timing"], args.start),
-               "te_layers": lambda: te_layers(device, sizes["invariant"], sizes["timing"], args.start)}
+               "te_layers": lambda: te_layers(device, sizes["invariant"], sizes["timing"], args.start),
+               "production": lambda: gpu_check_production.production(device, args.dry_run, args.start,
+                                                                     sys.modules[__name__])}
     sections = {}
     command = " ".join(["python", "tools/gpu_check.py", *(argv or sys.argv[1:])])
     for name in args.sections.split(","):
