@@ -256,3 +256,24 @@ def test_strict_raises_from_the_import_with_the_symbol_path():
     """, fresh=False)
     assert result.returncode != 0
     assert "megatron.core.tensor_parallel.mappings.no_such_symbol does not exist" in result.stderr
+
+
+def test_an_opted_out_patch_stays_out_when_its_module_is_imported_after_enable():
+    """issue 48 audit survivor F1 (engine.py's import hook checking ``patch.applies`` where it must
+    check that the patch is wanted): ``logits.fp32_output_layer`` opted out alone before megatron is
+    imported -- no other guard keeps it out (nothing it builds on is opted out) -- must not be
+    installed when ``megatron.core.tensor_parallel`` is imported, and ``status`` must say opted-out."""
+    result = run_python("""
+        import megapatch
+        megapatch.enable(logits_dtype="fp32", skip_patches="logits.fp32_output_layer")
+        from megatron.core.tensor_parallel import layers
+        status = megapatch.status()
+        print(status.patch("logits.fp32_output_layer").state)
+        print(hasattr(layers.ColumnParallelLinear.forward, "__wrapped__"))
+        print(sorted(n for n in status.active if n.startswith("logits.")))
+        """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state, wrapped, active = result.stdout.splitlines()[-3:]
+    assert state == "opted-out", result.stdout
+    assert wrapped == "False", result.stdout  # ColumnParallelLinear.forward: the opted-out patch's only target
+    assert "logits.fp32_output_layer" not in active, result.stdout

@@ -246,3 +246,40 @@ def test_activation_waits_for_an_outer_import_that_is_half_way(monkeypatch):
     outer.__spec__._initializing = False
     startup._activate(inner)  # TE imported after megatron.core: activates at once
     assert calls == ["enable", "enable"]
+
+
+def test_a_missing_wrapt_stops_a_process_that_imported_megatron_before_a_pth_hook(tmp_path):
+    """issue 48 audit survivor F6 (startup.py's early-import stop narrowed from ``except Exception``):
+    run the hook as ``site.py`` runs a ``.pth`` -- a real site directory holding megapatch's
+    ``megapatch-startup.pth``, added by ``site.addsitedir`` after ``megatron.core`` was imported --
+    with a requested option and wrapt missing. site.py prints an ordinary exception from a ``.pth``
+    line and carries on, so only a ``SystemExit`` stops the job; the missing wrapt must stop it
+    (non-zero exit, naming wrapt), never let it run on unpatched with exit 0."""
+    import site
+    import subprocess
+    import sys
+
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    with open(os.path.join(REPO, "megapatch-startup.pth")) as f:
+        (site_dir / "megapatch-startup.pth").write_text(f.read())
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    _without_wrapt(shadow)
+    packages = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(shadow)!r}, {REPO!r}]  # wrapt shadowed; megapatch from this checkout
+        sys.path.extend({packages!r})  # megatron from site-packages, no .pth file run
+        import megatron.core
+        assert "megapatch" not in sys.modules
+        import site
+        site.addsitedir({str(site_dir)!r})  # site.py's own .pth processing (site.addpackage)
+        print("RAN ON")
+    """)
+    env = environ_without_megapatch()
+    env.update(FP32, PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True,
+                            timeout=180, cwd=str(tmp_path))
+    assert result.returncode != 0 and "RAN ON" not in result.stdout, (result.stdout, result.stderr[-3000:])
+    assert "wrapt" in result.stderr and "Error processing line" not in result.stderr, result.stderr[-3000:]
