@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import run_python
+from conftest import run_python, te_installed
 
 from megapatch.core import engine
 from megapatch.commands.doctor import diagnose, survey
@@ -411,3 +411,59 @@ def test_the_after_import_line_names_every_patch_state_but_inactive():
     [line] = [l for l in result.stdout.splitlines() if l.startswith("  after import: ")]
     assert "tp_reduce.megatron_core active" in line and "tp_reduce.transformer_engine opted-out" in line, line
     assert "inactive" not in line and "logits." not in line, line
+
+
+# -- issue 48 item 2: the launch, the doctor against Megatron-LM's validate_args ------------------------
+
+VALIDATE = """
+import json, sys
+sys.path.insert(0, ".")
+from megatron.training import arguments
+from megatron.training.arguments import parse_args, validate_args
+arguments.get_device_arch_version = lambda: 0  # as a launch sets it (megatron_lm_compat)
+FLAGS = json.loads({flags!r})
+def validate():
+    sys.argv = ["pretrain_gpt.py", *FLAGS]
+    a = parse_args(ignore_unknown_args=True)
+    a.world_size = 1
+    try:
+        validate_args(a, {{}})
+        return "ran"
+    except Exception as exc:
+        return f"stopped: {{type(exc).__name__}}: {{exc}}"
+said = {{"cpu": validate()}}
+if {with_te!r}:
+    import torch  # noqa: F401 -- before TE, as cpu_launch --te does
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+    with te_cpu_runtime():
+        said["cpu-te"] = validate()
+print("SAID" + json.dumps(said))
+"""
+
+
+@pytest.mark.skipif(not te_installed(), reason="the TE runtime needs Transformer Engine (CI's te stage)")
+def test_megatron_lms_validate_args_agrees_with_the_doctor_on_each_launch(tmp_path_factory, monkeypatch):
+    """Issue 48 item 2, the run side: Megatron-LM core_v0.16.1's own ``validate_args`` on grouped-GEMM
+    flags stops outside the TE runtime (no CUDA) and passes inside it (``cpu_launch --te``, whose
+    runtime answers the compute capability), as the doctor says for ``--launch cpu`` and ``cpu-te``
+    (the doctor's side alone: tests/test_doctor_job_view.py)."""
+    import torch
+
+    from conftest import pinned_megatron_lm
+    from megapatch.testing.ranks import megatron_lm_runs as mlm
+
+    import megatron.core  # noqa: F401
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: upstream's check passes in every launch")
+
+    checkout = pinned_megatron_lm(tmp_path_factory)
+    flags = mlm.tiny_gpt_flags(extra=("--num-experts", "4", "--moe-grouped-gemm"))
+    ran = subprocess.run([sys.executable, "-c", VALIDATE.format(flags=json.dumps(flags), with_te=True)],
+                         cwd=str(checkout), capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "SAID" in ran.stdout, ran.stderr[-3000:]
+    said = json.loads(ran.stdout.split("SAID", 1)[1])
+    for launch in ("cpu", "cpu-te"):
+        stops = [s for s in survey(flags, launch=launch)["flags"]["stops"] if s.startswith("--moe-grouped-gemm")]
+        assert (said[launch] == "ran") == (not stops), (launch, said, stops)
+    assert said == {"cpu": said["cpu"], "cpu-te": "ran"} and said["cpu"].startswith("stopped"), said

@@ -55,6 +55,8 @@ TABLE = {
         {"MEGAPATCH_TP_INVARIANT_WIDTH": "16"}, None),
     "vocab 513 at TP 2, the default padding": (_flags(2, vocab=513), {}, None),  # 514 -> 768 = 3 x 256
     "width 2 at TP 2": (_flags(2), {"MEGAPATCH_TP_INVARIANT_WIDTH": "2"}, None),
+    # issue 48 item 3: accepted, with one line saying that core attention runs as the mode's
+    "--attention-backend flash at TP 2": (_flags(2, extra=("--attention-backend", "flash")), {}, None),
 }
 
 
@@ -73,10 +75,12 @@ def _model(ctx, config_fields):
     from megapatch.testing import build_tiny_gpt, tiny_gpt_config
     from megapatch.testing.models.tiny_gpt import llama_config
 
+    from megatron.core.transformer.enums import AttnBackend
+
     c = config_fields
     fields = dict(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                   ffn_hidden_size=c.ffn_hidden_size, kv_channels=c.kv_channels,
-                  bias_activation_fusion=c.bias_activation_fusion)
+                  bias_activation_fusion=c.bias_activation_fusion, attention_backend=AttnBackend[c.attention_backend])
     if c.gated_linear_unit:
         config = llama_config(ctx.tp_size, num_query_groups=c.num_query_groups or c.num_attention_heads, **fields)
         return build_tiny_gpt(config, vocab_size=c.padded_vocab_size, seq_len=c.seq_length,
@@ -111,13 +115,52 @@ def _run_side(ctx, flags, env):
 
 
 def _job(ctx):
-    out = {name: _run_side(ctx, flags, env) for name, (flags, env, _) in TABLE.items()}
+    """Each row's verdict; and, under ``"logged"``, the megapatch lines rank 0 logged while building
+    each model (for the attention-backend row, the job's ``--seq-length`` as Megatron-LM's arguments
+    give it: a STAND-IN for ``megatron.training.global_vars``, as in the tests below)."""
+    import logging
+
+    from megapatch.core import report
+
+    logged, lines = {}, []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("megapatch").addHandler(handler)
+    out = {}
+    for name, (flags, env, _) in TABLE.items():
+        report._said.discard("tp_invariant:attention_backend")  # once per job: each row is a job here
+        for variable in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # GPTModel sets them per job
+            os.environ.pop(variable, None)
+        chosen = "--attention-backend" in flags
+        if chosen:
+            sys.modules["megatron.training.global_vars"] = types.SimpleNamespace(
+                _GLOBAL_ARGS=types.SimpleNamespace(seq_length=config_from_flags(flags).seq_length))
+        del lines[:]
+        try:
+            out[name] = _run_side(ctx, flags, env)
+        finally:
+            if chosen:
+                del sys.modules["megatron.training.global_vars"]
+        logged[name] = list(lines)
+    out["logged"] = logged
     return out if ctx.rank == 0 else None
 
 
 @pytest.fixture(scope="module")
 def runs():
     return run_ranks(_job, world_size=4, tp=1, timeout=600)[0]
+
+
+def test_a_chosen_attention_backend_is_logged_by_the_run_as_the_doctor_says_it(runs, monkeypatch):
+    """Issue 48 item 3: ``--attention-backend flash`` was replaced by the mode's attention without a
+    word; now the job logs one line as its model is built, the doctor's line, and no other row does."""
+    name = "--attention-backend flash at TP 2"
+    flags, env, _ = TABLE[name]
+    note = _doctor(monkeypatch, flags, env)["flags"]["notes"]["tp_invariant.construction"]
+    assert "--seq-length 32" in note, note
+    assert runs["logged"][name].count(note) == 1, (runs["logged"][name], note)
+    for other, lines in runs["logged"].items():
+        assert other == name or not any("--attention-backend" in line for line in lines), (other, lines)
 
 
 def _said(message: str) -> str:

@@ -147,7 +147,9 @@ def test_local_torchrun_job_trains_with_megapatch_on(nemorun_home, monkeypatch):
     assert ("tp_reduce_dtype=fp32 (env MEGAPATCH_TP_REDUCE_DTYPE set by NeMo-Run "
             "MegapatchPlugin(tp_reduce_dtype='fp32'))") in line
     assert "logits_dtype=fp32 (env MEGAPATCH_LOGITS_DTYPE set by NeMo-Run MegapatchPlugin(logits_dtype='fp32'))" in line
-    assert re.search(r"patches active: .*tp_reduce\.megatron_core", line)
+    # which patches: the patches line, once they are installed (issue 48 item 4)
+    installed = re.findall(r"^\[default(\d+)\]:megapatch installed: (patches active: .*)$", log, re.MULTILINE)
+    assert [rank for rank, _ in installed] == ["0"] and "tp_reduce.megatron_core" in installed[0][1], log[-3000:]
     done = re.findall(r"^\[default0\]:nemo_run_tiny_gpt step done: (.*)$", log, re.MULTILINE)
     assert len(done) == 1, log[-3000:]
     assert "world=2 logits_dtype=torch.float32" in done[0] and "step_ok=True" in done[0]

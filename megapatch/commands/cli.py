@@ -29,14 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "environment enables, whether activation works (exit 1 if not)",
                             epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    doctor.add_argument("flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
-                        help="a Megatron-LM command line (after --): what the requested options "
-                             "would refuse in the job it starts, before it is submitted")
+    _launch_argument(doctor)
+    doctor.add_argument("flags", nargs=argparse.REMAINDER, metavar="-- [SCRIPT.py] FLAGS",
+                        help="a Megatron-LM command line (after --), optionally its script first: what the "
+                             "requested options would refuse in the job it starts, before it is submitted")
     status = sub.add_parser("status", help="what the current environment would do: settings and their "
                             "sources, per-patch requested / opted-out / compatible / would install",
                             epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     status.add_argument("--json", action="store_true", help="print the report as JSON (same document as doctor --json)")
-    status.add_argument("flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
+    _launch_argument(status)
+    status.add_argument("flags", nargs=argparse.REMAINDER, metavar="-- [SCRIPT.py] FLAGS",
                         help="a Megatron-LM command line (after --), as for doctor")
     lock = sub.add_parser("lock", help="compare the installed upstream with the patch-surface lock")
     lock.add_argument("--update", action="store_true", help="record the installed upstream (after review)")
@@ -44,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="TP-invariance comparison of native vs FP32 reductions on the embedded tiny GPT")
     add_demo_arguments(demo)
     return parser
+
+
+def _launch_argument(parser) -> None:
+    parser.add_argument("--launch", choices=("here", "cuda", "cpu", "cpu-te"), default=None,
+                        help="how the job is launched, for what answers upstream's CUDA checks: here (this "
+                             "machine, the default), cuda (GPUs), cpu (megapatch.testing.ranks.cpu_launch), "
+                             "cpu-te (cpu_launch --te: its TE runtime answers the compute capability); "
+                             "default: $MEGAPATCH_LAUNCH, which cpu_launch sets in its ranks")
 
 
 def main(argv=None) -> int:
@@ -62,7 +72,7 @@ def main(argv=None) -> int:
         flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
         if flags and not args.flags[:1] == ["--"]:
             parser.error(f"unexpected arguments {' '.join(flags)!r}: put a Megatron-LM command line after --")
-        result = survey(flags if args.flags else None)
+        result = survey(flags if args.flags else None, launch=args.launch)
         if args.json:
             print(json.dumps(result, indent=1, default=str))
         else:

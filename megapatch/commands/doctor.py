@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, List, Optional
 from megapatch.core.version import __version__
 from megapatch.core import engine, options, report, state, upstream_versions
 from megapatch.commands.doctor_text import render_doctor
-from megapatch.commands.upstream_stops import _stop_lines, _upstream_stop_causes
+from megapatch.commands.upstream_stops import (
+    _stop_lines, _upstream_stop_causes, client_stops, job_imports, launch_of, split_script)
 
 OK, CANNOT_APPLY, INVALID_ENVIRONMENT = 0, 1, 2
 # the modules whose import activates megapatch from the environment (see _bootstrap)
@@ -70,6 +71,21 @@ def _environment() -> dict:
     found = {k: _short(v) for k, v in sorted(os.environ.items()) if k.startswith(options.ENV_PREFIX)}
     unknown, error = _guard("looking for misspelled variables", _unknown_variables, {})
     return {"variables": found, "unknown": unknown, "problems": [error] if error else []}
+
+
+def _import_failure(module: str) -> Optional[str]:
+    """Why ``module`` cannot be imported here, where the cause is not the module itself: a package it
+    imports is missing (``megatron.rl.rl_utils`` without ``tensorboard``), or upstream's own import
+    fails. None where it imports, or where the module itself (or its package) does not exist: that
+    is the patch's incompatibility, which ``engine.check`` reports."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (missing == module or module.startswith(missing + ".")):
+            return None
+        return _short(str(exc), _LONGEST_ERROR)
+    return None
 
 
 def _kill_switch() -> bool:
@@ -121,7 +137,7 @@ def _activate_like_a_job(survey: dict, settings: options.Settings) -> None:
 
 
 def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabled: bool) -> dict:
-    row = {"name": patch.name, "option": patch.option, "summary": patch.summary,
+    row = {"name": patch.name, "option": patch.option, "summary": patch.summary, "hook": patch.hook,
            "package": patch.package, "supported": None,
            "requested": None, "opted_out": False, "upstream": "n/a", "problems": [],
            "targets": len(patch.targets), "backend": None, "would_install": False, "why": "",
@@ -141,6 +157,10 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
         row["problems"].append(f"{needs if _findable(top) else top} is not installed")
     elif not _findable(patch.hook_package):  # megatron.rl: a Megatron-LM checkout's, not megatron-core's
         row["absent"] = patch.hook_package
+    elif (failure := _import_failure(patch.hook)) is not None:  # a client's module lacking its packages here
+        row["unimportable"] = failure
+        row["problems"].append(f"cannot import {patch.hook} here ({row['unimportable']}): only a job that "
+                               f"imports it needs it")
     else:
         problems, error = _guard(f"checking {patch.name}", lambda: engine.check(patch), [])
         row["problems"] += problems + ([error] if error else [])
@@ -162,6 +182,10 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
         row["why"] = f"installs when {patch.hook} is imported"
     elif row.get("absent"):
         row["why"] = f"{row['absent']} is not importable here: installs when a job imports {patch.hook}"
+    elif row.get("unimportable"):
+        row["why"] = (f"{patch.hook} cannot be imported here ({row['unimportable']}): the patch applies only to "
+                      f"a job that imports it, and such a job stops at that import, upstream; a job that does "
+                      f"not import it runs without it")
     elif row["upstream"] == "n/a":
         row["why"] = "upstream package not installed: nothing to patch"
     else:
@@ -170,18 +194,26 @@ def _patch_row(patch, settings: Optional[options.Settings], strict: bool, disabl
     return row
 
 
-def survey(flags: Optional[List[str]] = None) -> dict:
+def survey(flags: Optional[List[str]] = None, launch: Optional[str] = None) -> dict:
     """Everything doctor and status report, as plain data (the ``--json`` document). ``flags``: a
-    Megatron-LM command line; each requested patch's preflight check then says whether the job it
-    starts would be refused (``result["flags"]``)."""
+    Megatron-LM command line, optionally starting with the job's script (``train_rl.py ...``); each
+    requested patch's preflight check then says whether the job it starts would be refused
+    (``result["flags"]``). ``launch``: how the job is launched (``upstream_stops.LAUNCHES``; default
+    ``MEGAPATCH_LAUNCH``, else ``here``)."""
     result: Dict[str, Any] = {"megapatch": __version__, "versions": {}, "stacks": {},
                               "environment": {"variables": {}, "unknown": {}, "problems": []},
                               "settings": None, "sources": {}, "error": None, "disabled": False,
                               "activation": {"state": "unknown", "detail": ""},
                               "upstream_warnings": 0, "patches": [], "problems": [],
-                              "flags": None if flags is None else {"argv": list(flags), "config": {},
-                                                                   "stops": [], "stop_causes": [],
-                                                                   "refusals": {}}}
+                              "launch": {"name": "here", "from": "default"},
+                              "flags": None if flags is None else {"argv": list(flags), "script": None,
+                                                                   "config": {}, "stops": [], "stop_causes": [],
+                                                                   "refusals": {}, "notes": {}}}
+    try:
+        name, origin = launch_of(launch)
+        result["launch"] = {"name": name, "from": origin}
+    except ValueError as exc:
+        result["problems"].append(str(exc))
     _, error = _guard("doctor", lambda: _survey(result))
     if error:  # a defect of doctor itself: still report what was gathered
         result["problems"].append(error)
@@ -287,12 +319,14 @@ def _preflight(result: dict, patches: dict, settings: Optional[options.Settings]
     from megapatch.commands.megatron_lm_flags import config_from_flags
 
     flags = result["flags"]
-    config, error = _guard("reading the Megatron-LM flags", lambda: config_from_flags(flags["argv"]))
+    script, argv = split_script(flags["argv"])
+    flags["script"] = script
+    config, error = _guard("reading the Megatron-LM flags", lambda: config_from_flags(argv))
     if error:
         result["problems"].append(error)
         return
     flags["config"] = dict(vars(config))
-    causes = _upstream_stop_causes(config)
+    causes = _client_stops(result, script, argv) + _upstream_stop_causes(config, result["launch"]["name"])
     flags["stops"] = _stop_lines(causes)
     flags["stop_causes"] = [cause for cause, _ in causes]
     if settings is None or result["disabled"]:
@@ -300,12 +334,27 @@ def _preflight(result: dict, patches: dict, settings: Optional[options.Settings]
     with _settings_of_the_job(settings, result["sources"]):
         for row in result["patches"]:
             patch = patches.get(row["name"])
-            if patch is None or patch.preflight is None or not row["requested"] or row["opted_out"]:
+            if patch is None or not row["requested"] or row["opted_out"]:
                 continue
-            reason, error = _guard(f"{patch.name} preflight", lambda p=patch: p.preflight(config))
+            reason, error = None, None
+            if patch.preflight is not None:
+                reason, error = _guard(f"{patch.name} preflight", lambda p=patch: p.preflight(config))
             if reason or error:
                 origin = result["sources"].get(patch.option, "")
                 flags["refusals"][patch.name] = f"{patch.option}: {reason or error} ({patch.option} from {origin})"
+            if patch.notes is not None and not (reason or error):
+                note, error = _guard(f"{patch.name} notes", lambda p=patch: p.notes(config))
+                if note or error:
+                    flags["notes"][patch.name] = note or error
+
+
+def _client_stops(result: dict, script: Optional[str], argv: List[str]) -> List[tuple]:
+    """The stops of the modules this job imports that cannot be imported here (``upstream_stops``)."""
+    rows = [row for row in result["patches"] if row.get("unimportable")]
+    imports, error = _guard(f"reading the imports of {script}", lambda: job_imports(script, argv), {}) if rows else ({}, None)
+    if error:
+        result["problems"].append(error)
+    return client_stops(rows, imports)
 
 
 def _verdict(result: dict, strict: bool):
@@ -314,7 +363,8 @@ def _verdict(result: dict, strict: bool):
     refusals = (result["flags"] or {}).get("refusals")
     if (result["flags"] or {}).get("stops"):
         cause = "; ".join(result["flags"]["stop_causes"])
-        also = f"; megapatch would then refuse it too ({', '.join(refusals)})" if refusals else ""
+        also = (f"; megapatch would then refuse it too ({', '.join(refusals)})" if refusals
+                else "; megapatch's own checks refuse nothing more")
         return CANNOT_APPLY, (f"with these Megatron-LM flags the job would stop before its first step: "
                               f"{cause}{also} (exit 1)")
     if refusals:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import List
 
+from megapatch.commands.upstream_stops import LAUNCHES
 from megapatch.core import options
 from megapatch.core.report import _table
 
@@ -89,14 +90,20 @@ def _flags_lines(result: dict) -> List[str]:
     if flags is None:
         return []
     lines = ["", "Megatron-LM flags: " + (" ".join(flags["argv"]) or "(none)")]
+    launch = result.get("launch") or {"name": "here", "from": "default"}
+    lines.append(f"  launch: {launch['name']} ({launch['from']}): {LAUNCHES.get(launch['name'], '')}")
     if flags["config"]:
         lines.append("  model and optimizer they build: " + ", ".join(f"{k}={v}" for k, v in flags["config"].items()))
     for reason in flags.get("stops", ()):
         lines.append(f"  STOPS FIRST, upstream: {reason}")
+    if flags.get("stops") and flags["config"]:
+        lines.append("  megapatch's own checks, run all the same:")
     for name, reason in flags["refusals"].items():
         lines.append(f"  REFUSED by {name}: {reason}")
     if flags["config"] and not flags["refusals"]:
         lines.append("  no requested patch refuses them")
+    for name, note in flags.get("notes", {}).items():
+        lines.append(f"  NOTE from {name} (the job logs it too): {note}")
     return lines
 
 

@@ -148,6 +148,7 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         # Megatron-LM main's --output-logit-dtype {bf16,fp32} (dest logit_dtype; PR #6252)
         logit_dtype=_value(argv, "--output-logit-dtype"),
         seq_length=_int(argv, "--seq-length", None),
+        attention_backend=_value(argv, "--attention-backend") or "auto",  # AttnBackend's name
         # the vocabulary: the padded size the model is built with, and the flags that set it
         padded_vocab_size=_padded_vocab_size(argv, tp),
         vocab_size=_int(argv, "--vocab-size", None),

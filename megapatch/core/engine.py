@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional
 
 import wrapt
 
-from megapatch.core import cross_rank, options, rank_errors, wrappers, report, state, surface, upstream_versions
+from megapatch.core import (cross_rank, options, patches_line, rank_errors, wrappers, report, state, surface,
+                            upstream_versions)
 from megapatch.core.errors import OptionError, OptionUnavailableError, UpstreamSurfaceError
 from megapatch.core.registry import Patch, discover
 from megapatch.core.report import PatchReport, Status
@@ -93,7 +94,7 @@ def enable(**arguments: Any) -> Status:
         if not before[0] or settings != before[1]:
             cross_rank.reconfigured(settings)
             current = status()
-            report.job_line("info", report.activation_line(current))
+            patches_line.activated(current, status)
             return current
         return status()
 
@@ -110,6 +111,7 @@ def disable() -> Status:
     global _enabled, _explicit
     with _lock:
         _stop_announcing()
+        patches_line.reset()
         for patch in reversed(patches()):
             if patch.name in _installed:
                 _uninstall(patch)
@@ -201,6 +203,13 @@ def check(patch: Patch) -> List[str]:
 
 def _wanted(patch: Patch, settings) -> bool:
     return patch.applies(settings) and not patch.left_out(settings.skip_patches)
+
+
+def _pending() -> bool:
+    """Whether a requested patch waits for its modules (not installed, skipped or failed)."""
+    settings = state.current()
+    done = set(_installed) | set(_skipped) | set(_failed)
+    return any(_wanted(p, settings) and p.name not in done for p in patches())
 
 
 def _refuse_unavailable(settings, sources) -> None:
@@ -324,6 +333,7 @@ def _on_import(module) -> None:
         if not _enabled:
             return
         settings = state.current()
+        installed = []
         for patch in patches():
             if (module.__name__ not in patch.modules or not _wanted(patch, settings)
                     or patch.name in _installed or not _imported(patch)):
@@ -335,6 +345,10 @@ def _on_import(module) -> None:
                     _failed[patch.name] = str(exc)
                     raise
                 _skip(patch, f"{type(exc).__name__}: {exc}")
+            if patch.name in _installed:
+                installed.append(patch.name)
+        if installed:
+            patches_line.installed(installed, module.__name__, status, _pending)
 
 
 def _install(patch: Patch, strict: bool) -> None:

@@ -29,6 +29,9 @@ SKIP_PATCHES_ENV = "MEGAPATCH_SKIP_PATCHES"
 #: NeMo-Run plugin): ``VAR=VALUE|who;...``, so that a message names the flag or field the user
 #: really wrote. An entry counts only while ``VAR`` still holds ``VALUE``.
 SET_BY_ENV = "MEGAPATCH_SET_BY"
+#: how the job is launched (``here``, ``cuda``, ``cpu``, ``cpu-te``): read by ``megapatch doctor`` as the
+#: default of ``--launch``, set by the CPU launcher in its ranks; it asks for nothing (no activation)
+LAUNCH_ENV = "MEGAPATCH_LAUNCH"
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")

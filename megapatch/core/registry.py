@@ -64,6 +64,9 @@ class Patch:
     ``num_distributed_optimizer_instances``),
     as ``megapatch doctor -- <Megatron-LM flags>`` derives it -- the reason this patch would refuse
     it, or ``None``; the patch's own construction-time check must say the same.
+    ``notes`` (optional): given the same config as ``preflight``, a line the job logs (once, rank 0)
+    when it builds that model, for something accepted that the user should know of
+    (``--attention-backend flash`` under ``tp_invariant``), or ``None``; the doctor prints it too.
     ``announces``: the patch only publishes this rank's settings (no upstream behaviour changes);
     it is kept under the kill switch, so that peers learn at once that megapatch is off here.
     ``requires``: names of patches this one builds on (it reads what their wrappers produce): it
@@ -83,6 +86,7 @@ class Patch:
     supports: Mapping[str, str] = dataclasses.field(default_factory=dict)
     guarantee: bool = False
     preflight: Optional[Callable[[object], Optional[str]]] = None
+    notes: Optional[Callable[[object], Optional[str]]] = None
     announces: bool = False
     requires: Tuple[str, ...] = ()
 

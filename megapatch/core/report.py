@@ -2,7 +2,8 @@
 megapatch writes to a job's log.
 
 Job-log lines go through ``logging`` (logger ``"megapatch"``) on rank 0 only: the activation line
-once per activation, and once-per-job lines (a requested patch passing through or skipped). Rank 0
+once per activation (settings, sources, counts), the patches line once the patches pending then are
+installed (which are active), and once-per-job lines (a requested patch passing through or skipped). Rank 0
 is ``torch.distributed``'s rank 0 when it is initialised, else ``RANK``, else 0. Launchers such as
 Megatron-LM's may never configure logging for this logger: while no handler is configured on its
 chain, megapatch attaches a minimal stderr handler to the ``"megapatch"`` logger only (never the
@@ -186,25 +187,48 @@ def once(key: str, level: str, message: str) -> bool:
     return job_line(level, message)
 
 
+_ORDER = ("active", "pending-import", "opted-out", "skipped", "incompatible")
+
+
 def activation_line(status: "Status") -> str:
-    """One line: settings with their sources, patches by state with reasons, backends, versions."""
+    """One short line: every setting with its source, how many patches are in each state, versions.
+    Which patches: the patches line (``patches_line``) and ``megapatch.status()``."""
     settings = ", ".join(
         f"{o.name}={o.text(status.settings[o.name])} ({status.sources.get(o.name, 'default')})"
         for o in options.OPTIONS if o.name in status.settings)
+    counts: Dict[str, int] = {}
+    for p in status.patches:
+        if p.state != "inactive":
+            counts[p.state] = counts.get(p.state, 0) + 1
+    patches = ", ".join(f"{counts[state]} {state}" for state in _ORDER if state in counts)
+    versions = ", ".join(f"{k} {v}" for k, v in status.versions.items() if v)
+    return f"megapatch enabled: {settings} | patches: {patches or 'none requested'} | {versions}"
+
+
+def _requested_count(status: "Status") -> str:
+    requested = [p for p in status.patches if p.state != "inactive"]
+    return f"{len(status.active)} of {len(requested)} requested patches active"
+
+
+def patches_line(status: "Status") -> str:
+    """Which patches are active, once the pending ones are installed (names only; the reasons and
+    backends are in ``megapatch.status()``): ``megapatch installed: patches active: a, b; pending-import:
+    c (until m is imported); opted-out: d | 2 of 4 requested patches active``."""
     groups: Dict[str, List[str]] = {}
     for p in status.patches:
-        if p.state == "inactive":
-            continue
-        text = p.name
-        if p.state == "active" and p.backend:
-            text += f" [{p.backend}]"
-        elif p.state != "active" and p.reason:
-            text += f" ({p.reason})"
-        groups.setdefault(p.state, []).append(text)
-    order = ("active", "pending-import", "opted-out", "skipped", "incompatible")
-    patches = "; ".join(f"{state}: {', '.join(groups[state])}" for state in order if state in groups)
-    versions = ", ".join(f"{k} {v}" for k, v in status.versions.items() if v)
-    return (f"megapatch enabled: {settings} | patches {patches or 'none requested'} | {versions}")
+        if p.state != "inactive":
+            text = p.name
+            if p.state == "pending-import" and p.reason:  # "installs when <modules> is imported"
+                text += f" ({p.reason.replace('installs when ', 'until ')})"
+            groups.setdefault(p.state, []).append(text)
+    said = [f"patches active: {', '.join(groups.pop('active', [])) or 'none'}"]
+    said += [f"{state}: {', '.join(groups[state])}" for state in _ORDER if state in groups]
+    return f"megapatch installed: {'; '.join(said)} | {_requested_count(status)}"
+
+
+def installed_later_line(status: "Status", names: List[str], module: str) -> str:
+    """A patch installed after the patches line was said (its module imported late)."""
+    return f"megapatch installed later: {', '.join(names)} ({module} imported) | {_requested_count(status)}"
 
 
 def warn_unknown_env_variables(environ: Optional[Mapping[str, str]] = None,

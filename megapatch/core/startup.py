@@ -38,9 +38,14 @@ class _Trigger:
         return None
 
 
+#: ``MEGAPATCH_*`` variables that ask for nothing: how the job was launched (``options.LAUNCH_ENV``,
+#: set by the CPU launcher for the doctor)
+RECORDS_ONLY = ("MEGAPATCH_LAUNCH",)
+
+
 def activate_from_environment() -> None:
     """Install the trigger once per process when a ``MEGAPATCH_*`` variable is set."""
-    if not any(name.startswith(ENV_PREFIX) for name in os.environ):
+    if not any(name.startswith(ENV_PREFIX) and name not in RECORDS_ONLY for name in os.environ):
         return
     if any(getattr(finder, "megapatch_trigger", False) for finder in sys.meta_path) or _armed:
         return

@@ -13,7 +13,7 @@ import importlib
 import operator
 import sys
 import types
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import wrapt
 
@@ -25,6 +25,28 @@ from megapatch.core.surface import ABSENT, resolve
 # functions (module names match exactly or as a prefix followed by a dot).
 _SKIP_ALIAS_SCAN = ("torch", "numpy", "wrapt", "encodings", "importlib", "collections")
 _MAX_CHAIN = 64
+
+
+_first_call: List[Callable[[], None]] = []  # run at the next call of any switched-on wrapper
+
+
+def on_first_call(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once, at the next call of any switched-on megapatch wrapper (the engine's
+    patches line: in a job, the first patched call comes when its model is set up)."""
+    if callback not in _first_call:
+        _first_call.append(callback)
+
+
+def _run_first_call() -> None:
+    while _first_call:
+        try:
+            callback = _first_call.pop(0)
+        except IndexError:  # another thread ran it
+            return
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 -- a report line never breaks the patched call
+            pass
 
 
 class _Switch:
@@ -94,6 +116,8 @@ class MegapatchWrapper(wrapt.FunctionWrapper):
                 return inner(*args, **kwargs)
             if cross_rank.pending:
                 cross_rank.check_first_call()
+            if _first_call:
+                _run_first_call()
             return wrapper(inner, instance, args, kwargs)
 
         super().__init__(wrapped, guarded)

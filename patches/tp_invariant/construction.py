@@ -11,6 +11,7 @@ from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
 from megapatch.numerics import block_shapes
 from megapatch.numerics import block_tree as tpi
+from megapatch.patches.tp_invariant._attention_backend import notes, say_attention_backend
 from megapatch.patches.tp_invariant._experts import mark_experts
 from megapatch.patches.tp_invariant._marks import mark_gated_fc1
 from megapatch.patches.tp_invariant._mode import refuse_tp_invariant, tp_invariant_patch
@@ -60,6 +61,7 @@ def block_init(wrapped, instance, args, kwargs):
     config = argument(args, kwargs, 0, "config")
     # TransformerBlock(config, spec, post_layer_norm, pre_process, post_process, pg_collection, ...)
     _check_config(config, argument(args, kwargs, 5, "pg_collection", None))
+    say_attention_backend(config)  # accepted: core attention runs as the mode's whatever it asks for
     result = wrapped(*args, **kwargs)
     te_covered = []  # a covered TE module's own TE submodules (attention backends) do not run under the mode
     own_group = getattr(getattr(instance, "pg_collection", None), "tp", None)
@@ -84,5 +86,6 @@ PATCHES = (
         targets=(Target("megatron.core.transformer.transformer_block", "TransformerBlock.__init__",
                         block_init, kind="method", params=("self", "config")),),
         preflight=_preflight_model,
+        notes=notes,
     ),
 )

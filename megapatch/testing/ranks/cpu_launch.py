@@ -15,7 +15,9 @@ CPU stand-ins; each is listed with the upstream call it replaces in those module
 torch stand-ins (:mod:`megapatch.testing.stand_ins.te_runtime`): TE's CUDA numerics are not reproduced.
 
 The launcher never enables megapatch itself: ``MEGAPATCH_*`` variables activate it through the
-installed startup hook, as in any other launch.
+installed startup hook, as in any other launch. It sets ``MEGAPATCH_LAUNCH`` (``cpu``, or ``cpu-te``
+with ``--te``) in its ranks' environment: ``megapatch doctor`` run there knows what answers upstream's
+CUDA checks (the variable asks megapatch for nothing).
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ def main(argv: Optional[List[str]] = None, extra: tuple = ()) -> None:
     if bridge or te:
         argv = argv[1:]
     script = script_from(argv, USAGE, "megapatch.testing.ranks.cpu_launch")
+    from megapatch.core.options import LAUNCH_ENV
+
+    os.environ[LAUNCH_ENV] = "cpu-te" if te else "cpu"  # for the doctor: what answers CUDA's questions here
     _banner(script, bridge, te)
     warning = padding_warning(sys.argv[1:])
     if warning and os.environ.get("RANK", "0") == "0":
