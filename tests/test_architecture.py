@@ -123,7 +123,7 @@ def test_every_patch_record_lives_in_its_family_package_under_its_own_name():
     package = importlib.import_module("megapatch.patches")
     assert _layout_problems(package) == []
     families = {p.name.partition(".")[0] for p in engine.patches()}
-    assert families == {"cross_rank", "fp8", "linear", "logits", "tp_invariant", "tp_reduce"}
+    assert families == {"cross_rank", "fp8", "linear", "logits", "rl_report", "tp_invariant", "tp_reduce"}
 
 
 def test_a_record_in_the_wrong_module_or_a_flat_patch_module_breaks_the_layout_rule(tmp_path, monkeypatch):

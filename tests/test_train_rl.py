@@ -17,6 +17,8 @@ from conftest import pinned_megatron_lm
 from megapatch.testing.ranks import megatron_lm_runs as mlm
 
 ZERO_MODE = {"MEGAPATCH_TP_INVARIANT": "1", "MEGAPATCH_LOGITS_DTYPE": "fp32"}
+# megapatch on with native settings: upstream's numerics, and rl_report.mismatch's line
+NATIVE = {"MEGAPATCH_LOGITS_DTYPE": "native"}
 # widths at which a GEMM's inner size is 64-256 a block of the mode's fixed tree (W 8), not toy sizes
 WIDTHS = dict(hidden=512, ffn=2048, moe_ffn=2048)
 _runs = {}
@@ -62,26 +64,53 @@ def _mismatch(step):
     return (step["max_inf_train_prob_abs_diff"], step["min_piold_to_inf_prob"], step["max_piold_to_inf_prob"])
 
 
+def _mismatch_lines(job, steps):
+    """rl_report.mismatch's job-log lines (rank 0), one per step, each checked against upstream's own
+    figures for that step (the recorder's); ``(max |p_train - p_inf|, min, max p_old/p_inf,
+    bit-identical, compared)`` per line."""
+    from test_rl_report import LINE
+
+    found = [LINE.search(line) for line in job.log.splitlines() if "megapatch rl_report.mismatch:" in line]
+    assert found and all(found), job.tail()
+    assert len(found) == len(steps), (len(found), steps)
+    out = []
+    for m, step in zip(found, steps):
+        assert int(m["iteration"]) == step["iteration"] + 1  # Megatron-LM's "iteration N/M" of that step
+        for group, field in (("max_diff", "max_inf_train_prob_abs_diff"), ("mean_diff", "mean_inf_train_prob_abs_diff"),
+                             ("min_ratio", "min_piold_to_inf_prob"), ("max_ratio", "max_piold_to_inf_prob")):
+            assert float(m[group]) == step[field], (m.group(0), step)
+        out.append((float(m["max_diff"]), float(m["min_ratio"]), float(m["max_ratio"]), int(m["identical"]),
+                    int(m["compared"])))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.quick("tp_invariant.rl_logprobs", "logits.fp32_rl_logprobs")
+@pytest.mark.quick("tp_invariant.rl_logprobs", "logits.fp32_rl_logprobs", "rl_report.mismatch")
 def test_train_rl_logs_zero_train_vs_rollout_mismatch_at_trainer_tp2_rollout_tp1_under_tp_invariant(rl_checkout):
     """tp_invariant + FP32 logits: every step's logged mismatch is exactly 0 (max |p_train - p_inf|
     0, the ratio's min and max 1) with the trainer at TP 2 and the rollouts at TP 1, over 3 GRPO
     steps that train (non-zero grad norms: the refits carry changed weights). Natively the same job
-    logs a mismatch at its first step (one step: the precondition)."""
+    logs a mismatch at its first step (one step: the precondition). Both jobs' logs say it on rank 0,
+    one rl_report.mismatch line a step with upstream's figures for that step: every log-prob
+    bit-identical under the mode, not all of them natively (megapatch enabled with native settings,
+    MEGAPATCH_LOGITS_DTYPE=native: the report and nothing else)."""
     job, steps = _run(rl_checkout, "dense-zero", ZERO_MODE)
     assert job.returncode == 0, job.tail()
     assert job.log.count("megapatch enabled:") == 1, "the activation line, once per job"
     assert len(steps) == 3, steps
     assert [_mismatch(s) for s in steps] == [(0.0, 1.0, 1.0)] * 3, steps
     assert all(s["mean_inf_prob"] > 0 for s in steps)  # the statistics were taken
+    lines = _mismatch_lines(job, steps)
+    assert all(line[:3] == (0.0, 1.0, 1.0) and line[3] == line[4] > 0 for line in lines), lines
     norms = _grad_norms(job)
     assert len(norms) == 3 and all(n > 0 for n in norms), norms
 
-    native, native_steps = _run(rl_checkout, "dense-native", {}, iters=1)  # one step shows it
+    native, native_steps = _run(rl_checkout, "dense-native", NATIVE, iters=1)  # one step shows it
     assert native.returncode == 0, native.tail()
-    assert "megapatch enabled:" not in native.log
+    assert "logits_dtype=native" in native.log and "tp_invariant=False" in native.log  # enabled, native
     assert len(native_steps) == 1 and native_steps[0]["max_inf_train_prob_abs_diff"] > 0, native_steps
+    [(max_diff, low, high, identical, compared)] = _mismatch_lines(native, native_steps)
+    assert max_diff > 0 and (low, high) != (1.0, 1.0) and identical < compared, (max_diff, low, high, identical)
 
 
 @pytest.mark.slow
