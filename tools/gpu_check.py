@@ -516,6 +516,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _production_rank(ctx, device: str, shapes: dict):
+    """The production section's rank (tools/gpu_check_production.py), with this module's helpers."""
+    return gpu_check_production.rank(ctx, device, shapes, sys.modules[__name__])
+
+
 def _cost_lines(section: dict, what: str) -> list:
     """A section's cost table at TP 1: step time and peak memory of each mode against native."""
     lines = ["", f"{what}, median of {section['cost_samples']} timed steps.", "",
@@ -558,7 +563,7 @@ def main(argv=None) -> int:
                "fp32_llama": lambda: fp32_llama(device, sizes["llama"], sizes["timing"], args.start),
                "te_layers": lambda: te_layers(device, sizes["invariant"], sizes["timing"], args.start),
                "production": lambda: gpu_check_production.production(device, args.dry_run, args.start,
-                                                                     sys.modules[__name__])}
+                                                                     _production_rank)}
     sections = {}
     command = " ".join(["python", "tools/gpu_check.py", *(argv or sys.argv[1:])])
     for name in args.sections.split(","):

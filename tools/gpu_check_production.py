@@ -27,12 +27,16 @@ def _out_of_memory(error: BaseException) -> bool:
     return "out of memory" in str(error).lower() or type(error).__name__ == "OutOfMemoryError"
 
 
-def _rank(ctx, device: str, shapes: dict, check):
-    """Each mode's model built once, at TP 1, timed on each run shape."""
+def rank(ctx, device: str, shapes: dict, check):
+    """Each mode's model built once, at TP 1, timed on each run shape (``check``: the tools/gpu_check
+    module, whose rank set-up, model, batch and timed step this section shares)."""
     with check._rank_setup(device):
         import megapatch
         import torch
 
+        from megapatch.testing import reinit_model_parallel
+
+        ctx = reinit_model_parallel(ctx, tp=1)
         rows = []
         longest = max(run["seq"] for run in shapes["runs"])
         model_sizes = dict(shapes["model"], seq=longest)
@@ -63,13 +67,14 @@ def _rank(ctx, device: str, shapes: dict, check):
         return rows if ctx.rank == 0 else None
 
 
-def production(device: str, dry_run: bool, start: str, check) -> dict:
+def production(device: str, dry_run: bool, start: str, rank_fn) -> dict:
     """The section's report: a row per (mode, run shape) with its step time and peak memory, and the
-    ratios against native at the same shape. ``check``: the tools/gpu_check module."""
+    ratios against native at the same shape. ``rank_fn(ctx, device, shapes)``: tools/gpu_check's
+    picklable entry that calls ``rank`` in the rank process."""
     from megapatch.testing import run_ranks
 
     shapes = SHAPES["dry" if dry_run else "gpu"]
-    rows = run_ranks(_rank, world_size=1, args=(device, shapes, check), init_megatron=False, timeout=1800,
+    rows = run_ranks(rank_fn, world_size=1, args=(device, shapes), init_megatron=False, timeout=1800,
                      start=start, preload="base", backend="gloo")[0]
     native = {(r["batch"], r["seq"]): r for r in rows if r["mode"] == "native"}
     for row in rows:
