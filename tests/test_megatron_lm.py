@@ -107,6 +107,12 @@ def test_a_runs_active_patches_are_read_from_its_activation_line():
             "tp_invariant.micro_batch; pending-import: tp_invariant.construction (installs when ...)")
     run = mlm.Run([], 0, f"rank 0 starts\n{line}\n{line.replace('micro_batch', 'other')}\n", 1.0)
     assert run.active_patches == ["cross_rank.publish_settings", "tp_invariant.moe", "tp_invariant.micro_batch"]
+    # a patch whose module was imported after the patches line comes on a line of its own
+    later = ("megapatch installed later: tp_invariant.construction, tp_invariant.mlp "
+             "(megatron.core.transformer.transformer_block imported) | 5 of 16 requested patches active")
+    run = mlm.Run([], 0, f"{later}\n{line}\n{later}\n", 1.0)
+    assert run.active_patches == ["cross_rank.publish_settings", "tp_invariant.moe", "tp_invariant.micro_batch",
+                                  "tp_invariant.construction", "tp_invariant.mlp"]
     assert mlm.Run([], 1, "Traceback ...", 1.0).active_patches == []
 
 

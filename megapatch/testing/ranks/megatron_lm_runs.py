@@ -117,13 +117,15 @@ class Run:
 
     @property
     def active_patches(self) -> List[str]:
-        """The patch names on the first ``megapatch enabled: ... | patches active: ...`` line (each
-        patch's bracketed coverage note left out); empty when megapatch never enabled."""
-        line = next((ln for ln in self.log.splitlines() if "patches active:" in ln), None)
-        if line is None:
+        """The patch names on the first ``... patches active: ...`` line (the patches line, rank 0; each
+        patch's bracketed coverage note left out), then those of every ``megapatch installed later: a,
+        b (<module> imported)`` line after it; empty when megapatch never enabled."""
+        lines = self.log.splitlines()
+        first = next((i for i, ln in enumerate(lines) if "patches active:" in ln), None)
+        if first is None:
             return []
         names, depth, item = [], 0, ""
-        for ch in line.split("patches active:", 1)[1] + ",":
+        for ch in lines[first].split("patches active:", 1)[1] + ",":
             depth += {"[": 1, "]": -1}.get(ch, 0)
             if depth == 0 and ch in ",;|":  # ';' and '|' end the list (pending imports, other fields)
                 names.append(item.split("[")[0].strip())
@@ -132,6 +134,10 @@ class Run:
                     break
             else:
                 item += ch
+        for line in lines[first + 1:]:
+            if "megapatch installed later:" in line:
+                later = line.split("megapatch installed later:", 1)[1].split("(", 1)[0]
+                names += [name.strip() for name in later.split(",") if name.strip() not in names]
         return [name for name in names if name]
 
     def tail(self, chars: int = 6000) -> str:
