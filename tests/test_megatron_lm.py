@@ -229,7 +229,7 @@ def test_tp_invariant_qwen3_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2
             assert len(printed[(mode, tp)][1]) == ITERS, run.tail()
             # 2 layers x (input norm, q norm, k norm, pre-MLP norm) + the final norm: RMSNorm weights
             assert len(printed[(mode, tp)][4][0]) == 2 * 4 + 1, printed[(mode, tp)][4]
-    doctor = _doctor(flags, {"MEGAPATCH_TP_INVARIANT": "1"})  # flags the mode ran with: accepted
+    doctor = _doctor(checkout, flags, {"MEGAPATCH_TP_INVARIANT": "1"})  # flags the mode ran with: accepted
     assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
     assert printed[("invariant", 1)] == printed[("invariant", 2)]
     assert printed[("native", 1)] != printed[("native", 2)]
@@ -391,7 +391,7 @@ def test_tp_invariant_distributed_optimizer_is_tp_independent(checkout):
     for dp in (1, 2):
         assert abs(found[("invariant", 1, dp)][3][0] - reference) <= 1e-6 * reference, (dp, found, reference)
     # megapatch doctor -- <the same flags> accepts them
-    doctor = _doctor(mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=distopt), {"MEGAPATCH_TP_INVARIANT": "1"})
+    doctor = _doctor(checkout, mlm.tiny_gpt_flags(tp=2, **TP_FLAGS, extra=distopt), {"MEGAPATCH_TP_INVARIANT": "1"})
     assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
 
 
@@ -428,7 +428,7 @@ def test_doctor_refuses_several_distributed_optimizer_instances_for_the_mode(che
     _tp_invariant_revision(checkout)
     flags = mlm.tiny_gpt_flags(tp=1, **TP_FLAGS, extra=("--use-distributed-optimizer",
                                                           "--num-distributed-optimizer-instances", "2"))
-    doctor = _doctor(flags, {"MEGAPATCH_TP_INVARIANT": "1"})
+    doctor = _doctor(checkout, flags, {"MEGAPATCH_TP_INVARIANT": "1"})
     assert doctor.returncode == 1 and "REFUSED by tp_invariant.distributed_optimizer" in doctor.stdout, doctor.stdout
     assert "num_distributed_optimizer_instances=2 (Megatron-LM: --num-distributed-optimizer-instances)" in doctor.stdout
 
@@ -538,11 +538,13 @@ print("DERIVED" + json.dumps([vars(config_from_flags(argv)) for argv in json.loa
 """
 
 
-def _doctor(flags, env):
+def _doctor(checkout, flags, env):
+    """The doctor run as a user runs it beside the job: from the checkout's root, so that it sees the
+    megatron the job imports (Megatron-LM main's stage has no megatron-core installed, only the checkout)."""
     from megapatch.testing.ranks.megatron_lm_runs import launch_env
 
     return subprocess.run([sys.executable, "-m", "megapatch", "doctor", "--", *flags], capture_output=True,
-                          text=True, timeout=300, env=launch_env(env))
+                          text=True, timeout=300, env=launch_env(env), cwd=str(checkout[1]))
 
 
 @pytest.mark.slow
@@ -740,7 +742,7 @@ def test_moe_flags_train_in_every_mode_and_fp32_brings_tp_sizes_together(checkou
     flags = mlm.tiny_gpt_flags(tp=1, heads=8, iters=ITERS, vocab=255, extra=(
         *MOE_FLAGS, "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "1",
         "--expert-tensor-parallel-size", "1"))
-    doctor = _doctor(flags, MOE_MODES["fp32"])
+    doctor = _doctor(checkout, flags, MOE_MODES["fp32"])
     assert "tp_reduce.moe" in doctor.stdout and "routed experts' fc2 partials" in doctor.stdout, doctor.stdout[-3000:]
     assert "tp_reduce.moe" not in runs["tp2-ep2-accumulate"][0].active_patches
     for probes, dtype in ((runs["tp2-logits"][1], "torch.float32"), (runs["tp2-fp32"][1], "torch.bfloat16")):
@@ -780,7 +782,7 @@ def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4_
             found[tp, dp] += ([r["loss"] for r in probes[0]], _recorded_norms(checkout, label, "replicated_grads"))
             assert len(found[tp, dp][1]) == ITERS and found[tp, dp][4] and all(found[tp, dp][4]), run.tail()
         assert "tp_invariant.moe" in run.active_patches, run.tail()
-    doctor = _doctor(flags, MOE_MODES["tp_invariant"])
+    doctor = _doctor(checkout, flags, MOE_MODES["tp_invariant"])
     assert doctor.returncode == 0 and "no requested patch refuses them" in doctor.stdout, doctor.stdout
     assert found[1, 1] == found[2, 1] == found[4, 1]
     assert found[1, 3] == found[1, 1][:3]
