@@ -291,8 +291,9 @@ def test_a_chosen_attention_backend_is_accepted_with_a_line_saying_what_runs_ins
     assert result["result"]["code"] == 0 and result["flags"]["refusals"] == {}, result["result"]
     note = result["flags"]["notes"]["tp_invariant.construction"]
     for words in ("--attention-backend flash is accepted, but core attention runs as the mode's attention instead "
-                  "of flash attention", "FP32 products over each head's whole S x S score matrix",
-                  "64 MiB at --seq-length 4096, 1.0 GiB a layer and sequence for the 16 heads of a TP rank",
+                  "of flash attention", "FP32 products over 128-query by 64-key blocks, recomputed in the backward",
+                  "2 MiB at --seq-length 4096, 32 MiB a layer and sequence for the 16 heads of a TP rank",
+                  "memory growing as S x 128, not S x S",
                   "docs/tp_invariant.md"):
         assert words in note, (words, note)
     assert f"  NOTE from tp_invariant.construction (the job logs it too): {note}" in render_doctor(result)

@@ -150,7 +150,8 @@ case $module in
   patches/logits/fp32_rl_logprobs.py|patches/tp_invariant/rl_logprobs.py|patches/tp_invariant/rl_refit.py) tests=(
     "$T/test_train_rl.py") ;;
   patches/tp_invariant/attention.py|patches/tp_invariant/engine_attention.py|megapatch/numerics/attention.py) tests=(
-    "$T/test_tp_invariant_attention.py") ;;
+    "$T/test_tp_invariant_attention.py" "$T/test_tp_invariant_attention_blocks.py"
+    "$T/test_tp_invariant_fidelity.py" "$T/test_tp_invariant_fidelity_layers.py") ;;
   patches/logits/fp32_inference.py) tests=(
     "$T/test_logits_fp32_inference.py::test_the_pipeline_forward_returns_the_models_fp32_logits_of_every_micro_batch_in_order"
     "$T/test_logits_fp32_inference.py::test_the_logits_broadcast_is_asked_for_fp32_with_every_other_argument_passed_on"

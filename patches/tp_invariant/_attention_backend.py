@@ -2,7 +2,8 @@
 
 Core attention runs as the mode's attention whatever the backend asks for (``tp_invariant.attention``
 for megatron-core's local attention, ``tp_invariant.transformer_engine`` for TE's
-``DotProductAttention``): FP32 products over each head's whole score matrix. A job that chose a
+``DotProductAttention``): FP32 products over fixed query-by-key blocks, never a whole score matrix,
+recomputed in the backward. A job that chose a
 backend (``--attention-backend flash``, Megatron RL's example) is told so once, on rank 0, when its
 model is built (``tp_invariant.construction``), and ``megapatch doctor -- <flags>`` prints the same
 line (the record's ``notes``). ``auto``, the default, chose nothing: docs/tp_invariant.md says what runs.
@@ -14,6 +15,7 @@ from typing import Optional
 
 from megapatch.core import report
 from megapatch.numerics import block_shapes
+from megapatch.numerics.attention import QUERY_BLOCK
 
 #: the backend a job chose -> what it would have run, and what that keeps of the score matrix
 _INSTEAD = {
@@ -43,16 +45,17 @@ def attention_backend_note(config, seq_length: Optional[int] = None) -> Optional
     if name is None:
         return None
     seq_length = seq_length if seq_length is not None else getattr(config, "seq_length", None)
-    cost = "4 x S^2 bytes for each head and sequence"
+    cost = f"at most 4 x {QUERY_BLOCK} x S bytes of scores for each head and sequence"
     if seq_length:
         heads = (getattr(config, "num_attention_heads", None) or 0) // (getattr(config, "tensor_model_parallel_size", 1) or 1)
-        per_head = 4 * seq_length * seq_length
+        per_head = 4 * QUERY_BLOCK * seq_length
         cost += f": {_size(per_head)} at --seq-length {seq_length}"
         if heads:
             cost += f", {_size(per_head * heads)} a layer and sequence for the {heads} heads of a TP rank"
     return (f"megapatch tp_invariant: --attention-backend {name} is accepted, but core attention runs as the "
-            f"mode's attention instead of {_INSTEAD[name]}: FP32 products over each head's whole S x S score "
-            f"matrix ({cost}), slower than a fused kernel and with memory growing as S x S; it is what gives "
+            f"mode's attention instead of {_INSTEAD[name]}: FP32 products over {QUERY_BLOCK}-query by 64-key "
+            f"blocks, recomputed in the backward ({cost}), slower than a fused kernel, memory growing as "
+            f"S x {QUERY_BLOCK}, not S x S; it is what gives "
             f"training and the rollout engine the same bits (docs/tp_invariant.md)")
 
 

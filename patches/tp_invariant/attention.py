@@ -9,13 +9,16 @@ in training and flash-attn's paged kernels in the engine (``Attention.flash_deco
 two choose their reductions by shape, and even the CPU stand-in for flash-attn, which uses the local
 attention's own BF16 arithmetic on the decode shapes, gave a row other bits now and then (3e-6 in
 ``train_rl.py``'s logged mismatch). Under the mode both run ``numerics.attention.row_invariant_attention``:
-FP32 products on padded shapes, scores and probabilities rounded to the activation dtype as upstream
-rounds them (the engine's side, its keys read from the paged cache: ``patches/tp_invariant/engine_attention.py``).
+FP32 products on fixed key blocks, scores and probabilities rounded to the activation dtype as upstream
+rounds them, memory growing with S x block, not S x S (the engine's side, its keys read from the paged
+cache: ``patches/tp_invariant/engine_attention.py``). Packed sequences (THD, ``packed_seq_params``), which
+upstream's local attention refuses, run one sequence at a time (:func:`packed_attention`).
 
 Left to upstream (the mode's other guarantees hold there, this one does not): attention with softmax
-offsets (sinks), sliding windows, query-key layer scaling, dropout in training, attention bias and packed
-sequences. TE's ``DotProductAttention`` runs as this local attention under the mode
-(``tp_invariant.transformer_engine``), so it takes this arithmetic too.
+offsets (sinks), sliding windows, query-key layer scaling, dropout in training and attention bias (with
+packed sequences these are refused: upstream's local attention takes none). TE's ``DotProductAttention``
+runs as this local attention under the mode (``tp_invariant.transformer_engine``), so it takes this
+arithmetic too (packed sequences there: refused by that patch for now).
 """
 
 from __future__ import annotations
@@ -25,43 +28,111 @@ import torch
 from megapatch.core import state
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
-from megapatch.numerics.attention import causal_visible, repeat_groups, row_invariant_attention
-from megapatch.patches.tp_invariant._mode import tp_invariant_patch
+from megapatch.numerics.attention import repeat_groups, row_invariant_attention
+from megapatch.patches.tp_invariant._mode import refuse_tp_invariant, tp_invariant_patch
 
 DOT_PRODUCT_ATTENTION = "megatron.core.transformer.dot_product_attention"
 
 
-def _plain_local_attention(instance, bias, packed) -> bool:
+def _plain_local_attention(instance, bias) -> bool:
     softmax = getattr(instance, "scale_mask_softmax", None)
-    return (bias is None and packed is None and getattr(instance, "softmax_offset", None) is None
+    return (bias is None and getattr(instance, "softmax_offset", None) is None
             and softmax is not None and getattr(softmax, "scale", None) is None
             and getattr(softmax, "window_size", None) is None
             and not (instance.training and instance.attention_dropout.p > 0))
 
 
+def _by_head(t, heads):  # [s, b, groups, hn] -> [b, heads, s, hn] (a view until the FP32 copy)
+    return repeat_groups(t, heads, 2).permute(1, 2, 0, 3)
+
+
+def _starts(packed, which: str):
+    """Where each sequence of the bin starts (``cu_seqlens_*_padded`` where given) and its length."""
+    actual = getattr(packed, f"cu_seqlens_{which}", None)
+    if actual is None:
+        refuse_tp_invariant(f"packed sequences without packed_seq_params.cu_seqlens_{which}",
+                            "the mode attends each sequence of the bin on its own and needs its bounds")
+    bounds = actual.tolist()
+    padded = getattr(packed, f"cu_seqlens_{which}_padded", None)
+    starts = padded.tolist() if padded is not None else bounds
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    for i, length in enumerate(lengths):
+        if length < 0 or starts[i] + length > starts[i + 1]:
+            refuse_tp_invariant(f"packed_seq_params.cu_seqlens_{which}_padded shorter than cu_seqlens_{which}",
+                                f"sequence {i} ({length} tokens) does not fit its padded slot")
+    return starts, lengths
+
+
+def packed_attention(query, key, value, mask, mask_type, packed, scale):
+    """Packed (THD) sequences: ``query`` [t, heads, hn] (or [t, 1, heads, hn]), ``key``/``value`` [t, groups,
+    hn], sequence i at rows ``cu_seqlens_*_padded[i]`` (or ``cu_seqlens_*[i]``) on, for
+    ``cu_seqlens_*[i + 1] - cu_seqlens_*[i]`` rows. Each sequence runs alone through the mode's attention
+    (causal within it, end-aligned, for the causal mask types), so it gets the bits it gets unpacked,
+    wherever it sits in the bin and whatever else is packed with it; rows between sequences are zeros.
+    Returns [t, heads x hn]."""
+    fmt = getattr(packed, "qkv_format", None)
+    if fmt != "thd":
+        refuse_tp_invariant(f"packed_seq_params with qkv_format={fmt!r}", "the mode packs the 'thd' format only")
+    cp = getattr(packed, "cp_group", None)
+    if (getattr(packed, "local_cp_size", None) or 1) > 1 or (cp is not None and cp.size() > 1):
+        refuse_tp_invariant("packed sequences with context parallelism (packed_seq_params.local_cp_size / "
+                            "cp_group)", "the mode attends each sequence whole on one rank")
+    if mask is not None:
+        refuse_tp_invariant("an attention_mask with packed (THD) sequences",
+                            "the sequences' bounds (cu_seqlens) are the mask the mode takes")
+    kind = getattr(mask_type, "name", str(mask_type))
+    if kind not in ("causal", "padding_causal", "no_mask", "padding"):
+        refuse_tp_invariant(f"packed (THD) sequences with attn_mask_type {kind}",
+                            "the mode takes causal, padding_causal, no_mask or padding there")
+    query, key, value = (t.squeeze(1) if t.dim() == 4 else t for t in (query, key, value))
+    tokens, heads, dim = query.shape
+    key, value = repeat_groups(key, heads, 1), repeat_groups(value, heads, 1)
+    q_starts, q_lengths = _starts(packed, "q")
+    k_starts, k_lengths = _starts(packed, "kv")
+    if len(q_lengths) != len(k_lengths) or q_starts[-1] > tokens or k_starts[-1] > key.shape[0]:
+        refuse_tp_invariant("packed_seq_params whose cu_seqlens_q and cu_seqlens_kv disagree or overrun the "
+                            f"{tokens} packed tokens", "each sequence's queries need their keys")
+    pieces, row = [], 0
+    for start, rows, k_start, keys in zip(q_starts, q_lengths, k_starts, k_lengths):
+        if start > row:
+            pieces.append(query.new_zeros(start - row, heads, dim))
+        if rows:
+            if not keys:
+                pieces.append(query.new_zeros(rows, heads, dim))
+            else:
+                seq = [t[a:a + n].transpose(0, 1) for t, a, n in ((query, start, rows), (key, k_start, keys),
+                                                                  (value, k_start, keys))]
+                out = row_invariant_attention(*seq, scale, causal=kind.endswith("causal"))
+                pieces.append(out.transpose(0, 1))
+        row = start + rows
+    if tokens > row:
+        pieces.append(query.new_zeros(tokens - row, heads, dim))
+    return torch.cat(pieces).reshape(tokens, heads * dim)
+
+
 def _local_attention(wrapped, instance, args, kwargs):
     bias = argument(args, kwargs, 5, "attention_bias", None)
     packed = argument(args, kwargs, 6, "packed_seq_params", None)
-    if not state.current().tp_invariant or not _plain_local_attention(instance, bias, packed):
+    if not state.current().tp_invariant:
+        return wrapped(*args, **kwargs)
+    if not _plain_local_attention(instance, bias):
+        if packed is not None:
+            refuse_tp_invariant(
+                "packed sequences (packed_seq_params) with attention bias, softmax offsets (sinks), "
+                "sliding windows, query-key layer scaling or dropout in training",
+                "these are left to upstream's local attention, which takes no packed sequences")
         return wrapped(*args, **kwargs)
     query, key, value = (argument(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
     mask = argument(args, kwargs, 3, "attention_mask", None)
     mask_type = argument(args, kwargs, 4, "attn_mask_type", None) or instance.attn_mask_type
+    if packed is not None:
+        return packed_attention(query, key, value, mask, mask_type, packed, instance.softmax_scale)
     sq, b, heads, dim = query.shape
-    sk = key.shape[0]
-    key, value = repeat_groups(key, heads, 2), repeat_groups(value, heads, 2)
-    if mask is not None:  # upstream's boolean mask, True where masked, broadcast to [b, np, sq, sk]
-        visible = (~mask.bool()).expand(b, heads, sq, sk).reshape(b * heads, sq, sk)
-    elif getattr(mask_type, "name", None) == "causal":
-        visible = causal_visible(sq, sk, query.device).unsqueeze(0)
-    else:
-        visible = torch.ones(1, sq, sk, dtype=torch.bool, device=query.device)
-
-    def by_head(t):  # [s, b, np, hn] -> [b * np, s, hn]
-        return t.permute(1, 2, 0, 3).reshape(b * heads, t.shape[0], dim)
-
-    context = row_invariant_attention(by_head(query), by_head(key), by_head(value), instance.softmax_scale, visible)
-    return context.view(b, heads, sq, dim).permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+    causal = mask is None and getattr(mask_type, "name", None) == "causal"
+    hidden = mask.bool() if mask is not None else None  # upstream's mask: True where masked, [b|1, np|1, sq, sk]
+    context = row_invariant_attention(_by_head(query, heads), _by_head(key, heads), _by_head(value, heads),
+                                      instance.softmax_scale, causal=causal, hidden=hidden)
+    return context.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
 
 
 PATCHES = (

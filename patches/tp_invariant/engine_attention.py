@@ -14,8 +14,7 @@ import torch
 from megapatch.core import state
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
-from megapatch.numerics.attention import (by_request, causal_visible, kv_lengths, paged_rows, repeat_groups,
-                                          row_invariant_attention)
+from megapatch.numerics.attention import by_request, kv_lengths, paged_rows, repeat_groups, row_invariant_attention
 from megapatch.patches.tp_invariant._mode import tp_invariant_patch
 
 ATTENTION = "megatron.core.transformer.attention"
@@ -27,8 +26,7 @@ def _request_rows(q_rows, k_cache, v_cache, kv_length: int, blocks, scale: float
     heads = q_rows.shape[1]
     k = repeat_groups(paged_rows(k_cache, blocks, kv_length), heads, 1)
     v = repeat_groups(paged_rows(v_cache, blocks, kv_length), heads, 1)
-    visible = causal_visible(q_rows.shape[0], kv_length, q_rows.device).unsqueeze(0)
-    out = row_invariant_attention(q_rows.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, visible)
+    out = row_invariant_attention(q_rows.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, causal=True)
     return out.transpose(0, 1)
 
 
