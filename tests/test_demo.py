@@ -31,6 +31,7 @@ def test_demo_model_defaults():
     assert build_parser().parse_args(["demo", "--model", "llama"]).model == "llama"
 
 
+@pytest.mark.resumes  # CI's resumes stage: the README command's time budget
 def test_demo_llama_quick(tmp_path):
     """The Llama-shaped model at TP 1 and 2 (2 ranks): tp-invariant keeps TP 2's logits bit-identical
     to TP 1's for both variants; native does not on the planted outliers; every figure is finite; the
@@ -63,6 +64,7 @@ def test_demo_llama_quick(tmp_path):
     assert (tmp_path / "tp_invariance_llama.png").exists(), result.stdout
 
 
+@pytest.mark.resumes
 def test_demo_moe_quick_reports_expert_choices(tmp_path):
     """The tiny Qwen3-MoE at TP 1 and 2, every mode: native changes some expert choices and the
     logits; fp32 changes no expert choice and cuts KL(TP1||TP2) at least 20x; tp-invariant (which

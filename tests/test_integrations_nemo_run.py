@@ -130,6 +130,7 @@ def _train(name, plugins, monkeypatch):
         return job, fh.read()
 
 
+@pytest.mark.resumes  # CI's resumes stage: the README command's time budget
 @pytest.mark.timeout(300)
 def test_local_torchrun_job_trains_with_megapatch_on(nemorun_home, monkeypatch):
     """A tiny megatron-core GPT at TP=2 on two CPU ranks, launched by NeMo-Run with the plugin:

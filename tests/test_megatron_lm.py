@@ -236,7 +236,7 @@ def test_tp_invariant_qwen3_prints_the_same_losses_and_grad_norms_at_tp1_and_tp2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, tps", [("gpt", (1, 2, 4)),
+@pytest.mark.parametrize("model, tps", [pytest.param("gpt", (1, 2, 4), marks=pytest.mark.resumes),
                                         pytest.param("llama", (1, 2, 4), marks=pytest.mark.resumes)])
 def test_tp_invariant_sequence_parallel_is_bit_identical_to_tp1(checkout, model, tps):
     """Issue 17 item 2: --sequence-parallel at TP=2 (and 4) under the mode prints the same losses and grad
