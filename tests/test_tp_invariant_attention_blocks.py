@@ -6,16 +6,13 @@ alone (forward and gradients), and memory that grows with S x block, not S x S."
 from __future__ import annotations
 
 import math
-import weakref
-from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from megapatch.testing.stand_ins.cpu_compat import cpu_workarounds
-from tests.conftest import bare_module
+from megapatch.testing.memory import LiveBytes
+from tests.test_tp_invariant_fidelity import _module
 
 BATCH, HEADS, GROUPS, DIM = 2, 4, 2, 32
 #: a BF16 bound for outputs of magnitude ~1 computed in other orders: a few BF16 ulps
@@ -28,31 +25,6 @@ def _qkv(seed: int, seq: int, batch: int = BATCH, dim: int = DIM):
     k = torch.randn(seq, batch, GROUPS, dim, generator=gen).bfloat16()
     v = torch.randn(seq, batch, GROUPS, dim, generator=gen).bfloat16()
     return q, k, v
-
-
-def _module(heads: int, groups: int, dim: int, mask_type: str = "causal"):
-    from megatron.core import parallel_state
-    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.utils import attention_mask_func
-
-    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
-        parallel_state._set_global_memory_buffer()
-    kind = getattr(AttnMaskType, mask_type)
-    attention = bare_module(DotProductAttention)
-    attention.config = SimpleNamespace(sequence_parallel=True)  # upstream: no RNG-tracker fork around (p=0) dropout
-    attention.attn_mask_type = kind
-    attention.num_attention_heads_per_partition, attention.num_query_groups_per_partition = heads, groups
-    attention.hidden_size_per_partition = heads * dim
-    attention.softmax_scale = 1.0 / math.sqrt(dim)
-    attention.softmax_offset = None
-    attention.attention_dropout = torch.nn.Dropout(0.0)
-    attention.scale_mask_softmax = FusedScaleMaskSoftmax(
-        input_in_fp16=False, input_in_bf16=True, attn_mask_type=kind, scaled_masked_softmax_fusion=False,
-        mask_func=attention_mask_func, softmax_in_fp32=True, scale=None)
-    attention.eval()
-    return attention
 
 
 def _local(q, k, v, mode: bool, mask=None, mask_type="causal", packed=None):
@@ -282,38 +254,10 @@ def test_packed_sequences_the_mode_does_not_cover_are_refused_naming_the_option(
 
 # -- memory -----------------------------------------------------------------------------------------
 
-class _LiveBytes(TorchDispatchMode):
-    """The peak bytes of tensor storage allocated by the ops run under it and still alive (each storage
-    counted once, freed when the last tensor seen on it is)."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    def _drop(self, key):
-        entry = self.refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= self.refs.pop(key)[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                key = t.untyped_storage().data_ptr()
-                if key not in self.refs:
-                    self.refs[key] = [0, t.untyped_storage().nbytes()]
-                    self.live += self.refs[key][1]
-                    self.peak = max(self.peak, self.live)
-                self.refs[key][0] += 1
-                weakref.finalize(t, self._drop, key)
-        return out
-
-
 def _peak(seq: int) -> int:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, seq, 16, generator=gen).bfloat16() for _ in range(3))
-    meter = _LiveBytes()
+    meter = LiveBytes()
     with torch.no_grad(), meter:
         _attend(q, k, v, causal=True)
     return meter.peak

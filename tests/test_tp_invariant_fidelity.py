@@ -36,26 +36,22 @@ def _qkv(seed: int):
     return q, k, v
 
 
-def _attention(q, k, v, mode: bool, mask=None, mask_type="causal", window=None):
-    """megatron-core's local ``DotProductAttention.forward`` through the patch's wrapper, the mode on
-    (the mode's attention) or off (upstream's own forward): context [s, b, heads, dim]."""
+def _module(heads: int, groups: int, dim: int, mask_type: str = "causal", window=None):
+    """megatron-core's local ``DotProductAttention`` built bare, as upstream configures it for BF16
+    (also tests/test_tp_invariant_attention_blocks.py's)."""
     from megatron.core import parallel_state
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
 
-    from megapatch.core import options, state
-    from megapatch.patches.tp_invariant import attention as patch
-
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
-    heads, dim = q.shape[2], q.shape[3]
     kind = getattr(AttnMaskType, mask_type)
     attention = bare_module(DotProductAttention)
     attention.config = SimpleNamespace(sequence_parallel=True)  # upstream: no RNG-tracker fork around (p=0) dropout
     attention.attn_mask_type = kind
-    attention.num_attention_heads_per_partition, attention.num_query_groups_per_partition = heads, k.shape[2]
+    attention.num_attention_heads_per_partition, attention.num_query_groups_per_partition = heads, groups
     attention.hidden_size_per_partition = heads * dim
     attention.softmax_scale = 1.0 / math.sqrt(dim)
     attention.softmax_offset = None
@@ -64,6 +60,18 @@ def _attention(q, k, v, mode: bool, mask=None, mask_type="causal", window=None):
         input_in_fp16=False, input_in_bf16=True, attn_mask_type=kind, scaled_masked_softmax_fusion=False,
         mask_func=attention_mask_func, softmax_in_fp32=True, scale=None, window_size=window)
     attention.eval()
+    return attention
+
+
+def _attention(q, k, v, mode: bool, mask=None, mask_type="causal", window=None):
+    """megatron-core's local ``DotProductAttention.forward`` through the patch's wrapper, the mode on
+    (the mode's attention) or off (upstream's own forward): context [s, b, heads, dim]."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megapatch.core import options, state
+    from megapatch.patches.tp_invariant import attention as patch
+
+    attention = _module(q.shape[2], k.shape[2], q.shape[3], mask_type, window)
     saved = state._current
     state._current = options.Settings(tp_invariant=mode)
     try:

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from megapatch.numerics.attention import KEY_BLOCK, row_invariant_attention
 from megapatch.numerics.block_tree import MIN_TOKEN_ROWS
+from megapatch.testing.memory import LiveBytes
 
 
 def _pad(t, dim, size):
@@ -42,31 +40,6 @@ def full_matrix_attention(q, k, v, scale, visible):
     scores = torch.cat([scores, scores.new_full((*scores.shape[:2], padded_keys - keys), float("-inf"))], dim=2)
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.bmm(_pad(probs.float(), 1, padded_rows), vf)[:, :rows].to(q.dtype)
-
-
-class LiveBytes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    def _drop(self, key):
-        entry = self.refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= self.refs.pop(key)[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                key = t.untyped_storage().data_ptr()
-                if key not in self.refs:
-                    self.refs[key] = [0, t.untyped_storage().nbytes()]
-                    self.live += self.refs[key][1]
-                    self.peak = max(self.peak, self.live)
-                self.refs[key][0] += 1
-                weakref.finalize(t, self._drop, key)
-        return out
 
 
 def _calls(seq, heads, dim):
