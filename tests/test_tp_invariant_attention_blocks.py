@@ -45,7 +45,7 @@ def _local(q, k, v, mode: bool, mask=None, mask_type="causal", packed=None):
                                              (q, k, v, mask), kwargs)
     finally:
         state._current = saved
-    return context.view(q.shape) if packed is None else context.view(q.shape)
+    return context.view(q.shape)
 
 
 def _fp64(q, k, v, masked):
