@@ -117,7 +117,7 @@ def test_train_rl_logs_zero_train_vs_rollout_mismatch_at_trainer_tp2_rollout_tp1
 @pytest.mark.resumes
 def test_train_rl_with_experts_logs_zero_mismatch_at_trainer_tp2_rollout_tp1_under_tp_invariant(rl_checkout):
     """The same for a Qwen3-MoE-shaped model (4 experts top-2, alltoall dispatcher, expert TP = TP):
-    exactly 0 under tp_invariant + FP32 logits, a mismatch natively. CI's `resumes` stage (the README's
+    exactly 0 under tp_invariant + FP32 logits, a mismatch natively at the first step. CI's `resumes` stage (the README's
     test command runs train_rl.py with the dense model above)."""
     moe = dict(moe=True, ep=1, rollout_ep=1)
     job, steps = _run(rl_checkout, "moe-zero", ZERO_MODE, **moe)
@@ -126,9 +126,9 @@ def test_train_rl_with_experts_logs_zero_mismatch_at_trainer_tp2_rollout_tp1_und
     assert [_mismatch(s) for s in steps] == [(0.0, 1.0, 1.0)] * 3, steps
     norms = _grad_norms(job)
     assert len(norms) == 3 and all(n > 0 for n in norms), norms
-    native, native_steps = _run(rl_checkout, "moe-native", {}, **moe)
+    native, native_steps = _run(rl_checkout, "moe-native", {}, iters=1, **moe)  # one step shows it
     assert native.returncode == 0, native.tail()
-    assert len(native_steps) == 3 and all(s["max_inf_train_prob_abs_diff"] > 0 for s in native_steps), native_steps
+    assert len(native_steps) == 1 and native_steps[0]["max_inf_train_prob_abs_diff"] > 0, native_steps
 
 
 @pytest.mark.slow
