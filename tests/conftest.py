@@ -140,30 +140,3 @@ def pinned_megatron_lm(tmp_path_factory, name: str = "core_v0.16.1"):
     if not tarball.is_file():
         pytest.skip(f"no pinned Megatron-LM sources: {tarball} is absent")
     return mlm.unpack(tarball, tmp_path_factory.mktemp(f"megatron-lm-{name}"))
-
-
-# The files with the most worker time first (results/test_time.md): with `--dist loadfile` each file
-# runs on one worker, handed out in collection order, so a long file collected late would run on
-# one worker while the other has finished; these start at once and the short files fill in.
-LONGEST_FIRST = (
-    "test_megatron_lm_te.py", "test_tp_invariant_moe.py", "test_megatron_lm.py", "test_tp_invariant.py",
-    "test_tp_reduce_transformer_engine_wiring.py", "test_train_rl.py", "test_moe_preflight.py",
-    "test_activation.py", "test_doctor_agrees_with_run.py", "test_harness.py", "test_ray.py",
-    "test_cross_rank.py", "test_llama_hf.py", "test_moe.py", "test_startup_hook.py",
-    "test_hardening_engine.py", "test_gpu_check.py", "test_logits_fp32_dynamic_inference.py", "test_install.py",
-)
-
-
-def pytest_configure(config):
-    # xdist >= 3.6 reorders loadfile/loadscope work by test count (--loadscope-reorder, on by default),
-    # which would undo LONGEST_FIRST: a 6-test file of 70 s went last
-    if getattr(config.option, "loadscopereorder", None):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(session, config, items):
-    def weight(item):
-        name = os.path.basename(str(item.fspath))
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=weight)  # stable: the order inside a file is kept

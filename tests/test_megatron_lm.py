@@ -189,6 +189,7 @@ def _tp_invariant_revision(checkout):
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_gelu_layernorm_is_bit_identical_at_tp1_and_tp2(checkout):
     """Issue 17 item 7: the default GELU/LayerNorm GPT at TP=1 and TP=2 (same padded vocabulary):
     every per-token loss (hashed at each micro-batch), printed loss and grad norm identical under
@@ -333,6 +334,7 @@ def _assert_resumes_equal_the_tp2_resume_and_never_stopping(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.resumes
 def test_tp_invariant_grad_norms_over_pipeline_stages_are_tp_independent(checkout):
     """TP x PP: PP=2 at TP=1 (world 2) and TP=2 (world 4) print the same losses and grad norms
     (the norm adds the stages' invariant totals in stage order); native reductions do not."""
@@ -790,9 +792,7 @@ def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4_
 
 @pytest.mark.slow
 @pytest.mark.resumes
-@pytest.mark.parametrize("optimizer", [(), ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")],
-                         ids=["plain", "distributed"])
-def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(checkout, tmp_path_factory, optimizer):
+def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(checkout, tmp_path_factory):
     """Issue 26: the MoE flags at DP 2 (world 2 x TP): trained at TP 1 EP 1, saved (torch_dist),
     resumed at TP 1 EP 1, TP 1 EP 2 and TP 2 EP 2 -- an EP rank then computes experts on both
     data-parallel ranks' tokens, and the expert parameters' gradients and norm span EP ranks -- and
@@ -805,7 +805,8 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
     number of entries at EP 1 and EP 2: "Expected 2 entries in state dict, but got 3"), so every
     resume starts a fresh optimizer state (--no-load-optim) from the same loaded weights, and the
     per-rank RNG state is not loaded (--no-load-rng; nothing draws random numbers after
-    initialisation here). With --use-distributed-optimizer the expert parameters' grad buffers are
+    initialisation here). The same resumes again with --use-distributed-optimizer, from the same
+    checkpoint (the optimizer state is not loaded): the expert parameters' grad buffers are then
     sharded over expert data parallelism, whose size the EP change halves."""
     from megapatch.testing.scenarios import tp_resume
 
@@ -820,21 +821,32 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
             "--ckpt-format", "torch_dist", *extra))
 
     layout = tp_resume.Layout(flags_for=flags_for, nproc_for=lambda layout: 2 * layout[0])
-    runs = tp_resume.experiment(checkout[1], tmp_path_factory.mktemp("moe-resume"), MOE_MODES["tp_invariant"],
-                                probe=PROBE, train_tp=(1, 1), resume_tps=((1, 1), (1, 2), (2, 2), (2, 2, 1)), save_at=2,
-                                iters=4, label="moe", timeout=TIMEOUT, layout=layout,
-                                # the RNG state is saved per (TP, EP) rank and not resharded; nothing
-                                # here draws random numbers after initialisation (no dropout)
-                                extra=("--no-load-rng", "--no-load-optim", *optimizer))
+    work = tmp_path_factory.mktemp("moe-resume")
+    full = None
+    for name, optimizer in (("plain", ()), ("distributed", ("--use-distributed-optimizer",
+                                                           "--dist-ckpt-optim-fully-reshardable"))):
+        runs = tp_resume.experiment(checkout[1], work / name, MOE_MODES["tp_invariant"], probe=PROBE, train_tp=(1, 1),
+                                    resume_tps=((1, 1), (1, 2), (2, 2), (2, 2, 1)), save_at=2, iters=4, label="moe",
+                                    timeout=TIMEOUT, layout=layout, start=full and work / "plain" / "moe-full",
+                                    # the RNG state is saved per (TP, EP) rank and not resharded; nothing
+                                    # here draws random numbers after initialisation (no dropout)
+                                    extra=("--no-load-rng", "--no-load-optim", *optimizer))
+        full = runs.get("full", full)
+        _assert_moe_resumes_equal(runs, full, name)
+
+
+def _assert_moe_resumes_equal(runs, full, optimizer):
+    from megapatch.testing.scenarios import tp_resume
+
     reference = runs["resume1x1"]
     # the weights loaded are the uninterrupted run's: its first resumed loss is too (then the fresh
     # optimizer state parts them)
-    assert len(reference.loss_hashes) == 2 and reference.loss_hashes[0] == runs["full"].loss_hashes[-2]
+    assert len(reference.loss_hashes) == 2 and reference.loss_hashes[0] == full.loss_hashes[-2], optimizer
     tensors = reference.tensors()
     assert any("experts" in key for key in tensors), sorted(tensors)[:10]
     for name in ("resume1x2", "resume2x2", "resume2x2x1"):
         run = runs[name]
-        assert run.grad_norms == reference.grad_norms, name
+        assert run.grad_norms == reference.grad_norms, (optimizer, name)
         if name == "resume2x2x1":
             # the printed loss is upstream's average of per-micro-batch FP32 averages: at another
             # micro-batch size it may move in its last printed digit (docs/tp_invariant.md); the
@@ -842,8 +854,8 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
             assert run.losses.keys() == reference.losses.keys()
             assert all(abs(float(run.losses[i]) / float(reference.losses[i]) - 1) < 1e-6 for i in run.losses), name
         else:
-            assert (run.loss_hashes, run.losses) == (reference.loss_hashes, reference.losses), name
-        assert not tp_resume.differences(run.tensors(), tensors), name
+            assert (run.loss_hashes, run.losses) == (reference.loss_hashes, reference.losses), (optimizer, name)
+        assert not tp_resume.differences(run.tensors(), tensors), (optimizer, name)
 
 
 @pytest.mark.slow
