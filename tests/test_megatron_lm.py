@@ -792,6 +792,7 @@ def test_tp_invariant_moe_prints_the_same_losses_and_grad_norms_at_tp_1_2_and_4_
 
 @pytest.mark.slow
 @pytest.mark.resumes
+@pytest.mark.timeout(1200)  # nine jobs (~200 s alone), beside other stages in CI
 def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(checkout, tmp_path_factory):
     """Issue 26: the MoE flags at DP 2 (world 2 x TP): trained at TP 1 EP 1, saved (torch_dist),
     resumed at TP 1 EP 1, TP 1 EP 2 and TP 2 EP 2 -- an EP rank then computes experts on both
