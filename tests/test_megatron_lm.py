@@ -288,7 +288,7 @@ def test_tp_invariant_resume_at_another_tp_size_is_bit_identical(checkout, tmp_p
     assert len(same.loss_hashes) == 3 * 2  # iterations 4-6, two micro-batches each
     _assert_resumes_equal_the_tp2_resume_and_never_stopping(runs)
     native = tp_resume.experiment(checkout[1], work / "native", {}, probe=PROBE, resume_tps=(2, 4),
-                                  label="native", start=work / "invariant" / "invariant-full", timeout=TIMEOUT)
+                                  label="native", start=runs["full"].checkpoint.parent, timeout=TIMEOUT)
     assert native["resume4"].loss_hashes != native["resume2"].loss_hashes
     assert tp_resume.differences(native["resume4"].tensors(), native["resume2"].tensors())
 
@@ -823,31 +823,32 @@ def test_tp_invariant_moe_resumes_at_another_tp_and_ep_size_bit_identically(chec
 
     layout = tp_resume.Layout(flags_for=flags_for, nproc_for=lambda layout: 2 * layout[0])
     work = tmp_path_factory.mktemp("moe-resume")
-    full = None
-    for name, optimizer in (("plain", ()), ("distributed", ("--use-distributed-optimizer",
-                                                           "--dist-ckpt-optim-fully-reshardable"))):
-        runs = tp_resume.experiment(checkout[1], work / name, MOE_MODES["tp_invariant"], probe=PROBE, train_tp=(1, 1),
-                                    resume_tps=((1, 1), (1, 2), (2, 2), (2, 2, 1)), save_at=2, iters=4, label="moe",
-                                    timeout=TIMEOUT, layout=layout, start=full and work / "plain" / "moe-full",
+    full = None  # the plain variant's training run: the distributed one resumes from its checkpoint
+    for variant, optimizer in (("plain", ()), ("distributed", ("--use-distributed-optimizer",
+                                                              "--dist-ckpt-optim-fully-reshardable"))):
+        runs = tp_resume.experiment(checkout[1], work / variant, MOE_MODES["tp_invariant"], probe=PROBE,
+                                    train_tp=(1, 1), resume_tps=((1, 1), (1, 2), (2, 2), (2, 2, 1)), save_at=2,
+                                    iters=4, label="moe", timeout=TIMEOUT, layout=layout,
+                                    start=full.checkpoint.parent if full else None,
                                     # the RNG state is saved per (TP, EP) rank and not resharded; nothing
                                     # here draws random numbers after initialisation (no dropout)
                                     extra=("--no-load-rng", "--no-load-optim", *optimizer))
-        full = runs.get("full", full)
-        _assert_moe_resumes_equal(runs, full, name)
+        full = full or runs["full"]
+        _assert_moe_resumes_equal(runs, full, variant)
 
 
-def _assert_moe_resumes_equal(runs, full, optimizer):
+def _assert_moe_resumes_equal(runs, full, variant):
     from megapatch.testing.scenarios import tp_resume
 
     reference = runs["resume1x1"]
     # the weights loaded are the uninterrupted run's: its first resumed loss is too (then the fresh
     # optimizer state parts them)
-    assert len(reference.loss_hashes) == 2 and reference.loss_hashes[0] == full.loss_hashes[-2], optimizer
+    assert len(reference.loss_hashes) == 2 and reference.loss_hashes[0] == full.loss_hashes[-2], variant
     tensors = reference.tensors()
     assert any("experts" in key for key in tensors), sorted(tensors)[:10]
     for name in ("resume1x2", "resume2x2", "resume2x2x1"):
         run = runs[name]
-        assert run.grad_norms == reference.grad_norms, (optimizer, name)
+        assert run.grad_norms == reference.grad_norms, (variant, name)
         if name == "resume2x2x1":
             # the printed loss is upstream's average of per-micro-batch FP32 averages: at another
             # micro-batch size it may move in its last printed digit (docs/tp_invariant.md); the
@@ -855,8 +856,8 @@ def _assert_moe_resumes_equal(runs, full, optimizer):
             assert run.losses.keys() == reference.losses.keys()
             assert all(abs(float(run.losses[i]) / float(reference.losses[i]) - 1) < 1e-6 for i in run.losses), name
         else:
-            assert (run.loss_hashes, run.losses) == (reference.loss_hashes, reference.losses), (optimizer, name)
-        assert not tp_resume.differences(run.tensors(), tensors), (optimizer, name)
+            assert (run.loss_hashes, run.losses) == (reference.loss_hashes, reference.losses), (variant, name)
+        assert not tp_resume.differences(run.tensors(), tensors), (variant, name)
 
 
 @pytest.mark.slow

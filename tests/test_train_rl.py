@@ -117,8 +117,8 @@ def test_train_rl_logs_zero_train_vs_rollout_mismatch_at_trainer_tp2_rollout_tp1
 @pytest.mark.resumes
 def test_train_rl_with_experts_logs_zero_mismatch_at_trainer_tp2_rollout_tp1_under_tp_invariant(rl_checkout):
     """The same for a Qwen3-MoE-shaped model (4 experts top-2, alltoall dispatcher, expert TP = TP):
-    exactly 0 under tp_invariant + FP32 logits, a mismatch natively at the first step. CI's `resumes` stage (the README's
-    test command runs train_rl.py with the dense model above)."""
+    exactly 0 under tp_invariant + FP32 logits, a mismatch natively at the first step. CI's `resumes`
+    stage (the README's test command runs train_rl.py with the dense model above)."""
     moe = dict(moe=True, ep=1, rollout_ep=1)
     job, steps = _run(rl_checkout, "moe-zero", ZERO_MODE, **moe)
     assert job.returncode == 0, job.tail()
