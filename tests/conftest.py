@@ -39,6 +39,20 @@ def te_installed() -> bool:
     return True
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.te``: what only a venv with Transformer Engine can run; skipped without it, with
+    the recipe. ``@pytest.mark.te(required=False)``: runs anywhere and checks what changes with TE
+    installed. CI's te stage runs the marked tests alone (``-m te``): the rest ran in the default stage."""
+    if te_installed():
+        return
+    skip = pytest.mark.skip(reason="Transformer Engine not importable here: this runs in a venv with TE "
+                                   "(../shared/te-cpu/install.sh, docs/te.md; CI's te stage)")
+    for item in items:
+        mark = item.get_closest_marker("te")
+        if mark is not None and mark.kwargs.get("required", True):
+            item.add_marker(skip)
+
+
 def surface_refusals(prefix: str) -> tuple:
     """Why the installed upstream cannot take the patches named ``prefix``* (the reasons `megapatch
     doctor` shows as INCOMPATIBLE); empty where it can. The version matrix runs each patch's tests

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import run_python, te_installed
+from conftest import run_python
 
 from megapatch.core import engine
 from megapatch.commands.doctor import diagnose, survey
@@ -224,6 +224,7 @@ def test_doctor_with_flags_names_every_refusal_its_flag_and_the_source():
     assert sorted(data["flags"]["refusals"]) == ["tp_invariant.construction", "tp_invariant.distributed_optimizer"]
 
 
+@pytest.mark.te(required=False)
 def test_doctor_says_where_transformer_engine_layers_stop_and_refuses_arguments_without_the_separator():
     """Megatron-LM's default layers are Transformer Engine's: the mode covers them where TE is installed
     (tp_invariant.transformer_engine; tests/test_tp_invariant_transformer_engine.py in CI's te stage);
@@ -441,7 +442,7 @@ print("SAID" + json.dumps(said))
 """
 
 
-@pytest.mark.skipif(not te_installed(), reason="the TE runtime needs Transformer Engine (CI's te stage)")
+@pytest.mark.te
 def test_megatron_lms_validate_args_agrees_with_the_doctor_on_each_launch(tmp_path_factory, monkeypatch):
     """Issue 48 item 2, the run side: Megatron-LM core_v0.16.1's own ``validate_args`` on grouped-GEMM
     flags stops outside the TE runtime (no CUDA) and passes inside it (``cpu_launch --te``, whose

@@ -20,11 +20,9 @@ import re
 
 import pytest
 
-from conftest import pinned_megatron_lm, te_installed
+from conftest import pinned_megatron_lm
 
-pytestmark = pytest.mark.skipif(
-    not te_installed(), reason="Transformer Engine not importable here: this job runs in a venv with TE "
-                                "(../shared/te-cpu/install.sh; CI's te stage)")
+pytestmark = pytest.mark.te
 
 QWEN3_TE = ("--qk-layernorm", "--transformer-impl", "transformer_engine")  # the last --transformer-impl counts
 

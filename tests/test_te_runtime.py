@@ -28,13 +28,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import te_installed
 from megapatch.testing import run_ranks
 
 
-pytestmark = pytest.mark.skipif(
-    not te_installed(), reason="Transformer Engine not importable here: the TE runtime's tests run in a venv "
-                                "with TE (../shared/te-cpu/install.sh; CI's te stage)")
+pytestmark = pytest.mark.te
 
 BF16 = torch.bfloat16
 SEQ, BATCH, HIDDEN, OUT, FFN = 8, 3, 48, 80, 96  # SEQ, OUT, FFN and HIDDEN divisible by 4 (TP, SP)

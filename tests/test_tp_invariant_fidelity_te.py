@@ -11,12 +11,9 @@ Runs where TE is installed (CI's te stage)."""
 import pytest
 import torch
 
-from conftest import te_installed
 from megapatch.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not te_installed(), reason="Transformer Engine not importable here: these tests run in a venv with TE "
-                                "(../shared/te-cpu/install.sh; CI's te stage)")
+pytestmark = pytest.mark.te
 
 HIDDEN, OUT, EPS = 32, 48, 1e-5
 CASES = (("LayerNorm", True), ("RMSNorm", True), ("LayerNorm", False))  # (normalization, zero-centred gamma)

@@ -24,15 +24,12 @@ them): the mode's block GEMMs on cuBLAS (tools/gpu_check.py).
 import pytest
 import torch
 
-from conftest import te_installed
 from reduction_oracles import pairwise_tree_bf16, planted, signs
 from megapatch.testing import run_ranks
 from megapatch.testing.scenarios import moe_tiny
 
 
-pytestmark = pytest.mark.skipif(
-    not te_installed(), reason="Transformer Engine not importable here: these tests run in a venv with TE "
-                                "(../shared/te-cpu/install.sh; CI's te stage)")
+pytestmark = pytest.mark.te
 
 LAYOUTS = ((1, False), (2, False), (4, False), (2, True), (4, True))  # (TP, sequence parallel)
 SHAPE = dict(hidden_size=128, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=192,

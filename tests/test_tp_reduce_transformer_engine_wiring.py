@@ -38,15 +38,13 @@ from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurface
 from megapatch.patches.tp_reduce import transformer_engine as te_patch
 from megapatch.testing import run_ranks
 
-from conftest import run_python, te_installed
+from conftest import run_python
 
 CLAIMED = te_releases.claimed_versions()
 PATCH = te_patch.PATCHES[0]
 
 
-HAVE_TE = te_installed()
-needs_te = pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine not importable here (extra to the "
-                                                  "static check; runs in a venv with TE installed)")
+needs_te = pytest.mark.te
 IMPLS = ["standin", pytest.param("te", marks=needs_te)]
 BF16 = torch.bfloat16
 
