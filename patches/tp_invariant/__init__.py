@@ -19,6 +19,7 @@ data_parallel           the exact data-parallel gradient sum (integer bins)
 loss_scale              the loss scale applied once; the loss report in FP64
 micro_batch             the word embedding's weight gradient per sequence (any micro-batch size)
 attention               core attention (training): one arithmetic for training and decode
+packed_rope             RoPE of packed (THD) sequences: each sequence rotated from position 0
 engine_attention        the dynamic inference engine's attention, same arithmetic
 rl_logprobs             Megatron RL's trainer log-probs in the rollout engine's arithmetic
 rl_refit                Megatron RL's refit: experts matched by global index at EP > 1
