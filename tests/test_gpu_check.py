@@ -15,6 +15,7 @@ from conftest import REPO
 
 
 @pytest.mark.slow
+@pytest.mark.resumes  # CI's resumes stage: the README command's time budget (~40 s of dry run)
 def test_the_gpu_check_dry_run_passes_every_section_and_writes_both_reports(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO)

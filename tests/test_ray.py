@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, environ_without_megapatch
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install '.[ray]')")
+pytestmark = pytest.mark.resumes  # CI's resumes stage: the README command's time budget (one 63 s Ray job)
 
 FP32 = {"MEGAPATCH_TP_REDUCE_DTYPE": "fp32", "MEGAPATCH_LOGITS_DTYPE": "fp32"}
 JOBS = [

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import types
@@ -64,6 +65,12 @@ def te_wheels():
             pytrace=False)
 
 
+@functools.lru_cache(maxsize=None)
+def _release(path, version):
+    """One release's sources, parsed once for the file's tests (the check and edited copies only read it)."""
+    return Sources.wheel(path, version)
+
+
 def test_claims_every_release_from_2_9_to_2_20_2():
     versions = list(CLAIMED)
     assert versions[0] == "2.9.0" and versions[-1] == "2.20.2"
@@ -85,7 +92,7 @@ def test_failed_or_corrupt_download_is_an_error(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("version", list(CLAIMED))
 def test_release_is_wired_as_the_patch_relies_on(te_wheels, version):
-    problems = wiring.check(Sources.wheel(te_wheels[version], version), te_patch)
+    problems = wiring.check(_release(te_wheels[version], version), te_patch)
     assert problems == [], f"TE {version}:\n" + "\n".join(problems)
 
 
@@ -94,7 +101,7 @@ def test_every_target_is_checked_in_every_release(te_wheels):
     targets = [t for t in PATCH.targets]
     assert targets and all(t.module.startswith("transformer_engine.pytorch.") for t in targets)
     for version, path in te_wheels.items():
-        src = Sources.wheel(path, version)
+        src = _release(path, version)
         for t in targets:
             kind, fn = resolve_attr(src, t.module, t.attr)
             assert fn is not None and kind == t.kind, (version, t.path, kind)
@@ -152,7 +159,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_check_reports_broken_wiring(te_wheels, name):
     file, old, new, expected = MUTATIONS[name]
-    src = Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    src = _release(te_wheels["2.20.2"], "2.20.2")
     edited = src.with_edit(f"transformer_engine/pytorch/{file}", old, new, count=-1 if "ub_bulk" in old else 1)
     problems = wiring.check(edited, te_patch)
     assert any(expected in p for p in problems), f"{name}: {problems}"
@@ -162,7 +169,7 @@ def test_a_helper_call_with_arguments_not_understood_leaves_the_later_calls_chec
     """The first reduce-helper call of linear.py gains an argument the wrapper does not understand, and
     the backward's async handle is no longer waited on (issue 28 item 8, third fresh sample): both are
     reported, and the row-parallel forward reductions after the bad call are still found."""
-    src = Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    src = _release(te_wheels["2.20.2"], "2.20.2")
     name = "transformer_engine/pytorch/module/linear.py"
     edited = src.with_edit(name, "out, _ = reduce_scatter_along_first_dim(out, tp_group)",
                            "out, _ = reduce_scatter_along_first_dim(out, tp_group, op=None)")
@@ -177,7 +184,7 @@ def test_the_fprop_gemms_positional_arguments_are_counted_against_out_dtypes_pos
     """general_gemm(A, B, out_dtype, ...): the fprop GEMM of linear.py may pass B by keyword (fewer
     positional arguments: still recognised), but not out_dtype by position (issue 28 item 8, third
     fresh sample)."""
-    src = Sources.wheel(te_wheels["2.20.2"], "2.20.2")
+    src = _release(te_wheels["2.20.2"], "2.20.2")
     name = "transformer_engine/pytorch/module/linear.py"
     fprop = "        weightmat,\n        inputmat_total,\n        quantization_params=output_quantizer,\n" \
             "        out_dtype=activation_dtype,\n"

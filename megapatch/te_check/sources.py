@@ -52,8 +52,12 @@ class Sources:
         else:
             edited = text.replace(old, new, count)
         names = self._names if name in self._names else self._names + [name]
-        return Sources(f"{self.label} ({name} edited)", names,
-                       lambda n: edited if n == name else self._read(n))
+        copy = Sources(f"{self.label} ({name} edited)", names, lambda n: edited if n == name else self._read(n))
+        # a module's tree and calls depend on its own file alone: the unedited ones are shared
+        changed = _module_of_path(name)
+        copy._parsed = {m: tree for m, tree in self._parsed.items() if m != changed}
+        copy._calls = {m: calls for m, calls in self._calls.items() if m != changed}
+        return copy
 
     def files(self, prefix: str) -> List[str]:
         return [n for n in self._names if n.startswith(prefix) and n.endswith(".py")]
