@@ -107,11 +107,15 @@ def reinit_model_parallel(ctx: RankContext, tp: int = 1, pp: int = 1, vpp: Optio
     # megatron's destroy_model_parallel only drops its references: each gloo group lives on with its
     # threads (3 a group: 123 groups, ~370 threads a rank in the MoE tp_invariant job at TP 4).
     # Destroyed here, the 23 test files that start ranks took 293 s instead of 333 (results/test_time.md)
-    held = {id(g): g for name, value in vars(parallel_state).items() if name.startswith("_")
-            for g in groups(value)}
+    def held():
+        return {id(g): g for name, value in vars(parallel_state).items() if name.startswith("_")
+                for g in groups(value)}
+
+    before = held()
     parallel_state.destroy_model_parallel()
-    for group in held.values():
-        if group is not dist.group.WORLD:
+    kept = held()  # what megatron still refers to after its reset stays
+    for key, group in before.items():
+        if key not in kept and group is not dist.group.WORLD:
             try:
                 dist.destroy_process_group(group)
             except ValueError:  # "Invalid process group": not in torch's registry (gone already)
