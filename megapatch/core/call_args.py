@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 _MISSING = object()
 
@@ -16,3 +16,11 @@ def argument(args: tuple, kwargs: dict, index: int, name: str, default: Any = _M
     if default is _MISSING:
         raise TypeError(f"missing argument {name!r}")
     return default
+
+
+def with_argument(args: tuple, kwargs: dict, index: int, name: str, value: Any) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` with the argument at position ``index`` (or keyword ``name``) set to ``value``,
+    passed the way the caller passed it; the caller's tuple and dict are left as they were."""
+    if len(args) > index:
+        return (*args[:index], value, *args[index + 1:]), kwargs
+    return args, {**kwargs, name: value}

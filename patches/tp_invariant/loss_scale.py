@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megapatch.core.call_args import argument
+from megapatch.core.call_args import argument, with_argument
 from megapatch.core.registry import Target
 from megapatch.numerics import block_tree as tpi
 from megapatch.numerics import gradient_terms
@@ -96,10 +96,7 @@ def _forward_step_calc_loss(wrapped, instance, args, kwargs):
         loss, report = outputs
         return _Seed.apply(loss, per_microbatch), _exact_report(report)
 
-    if len(args) > 2:
-        args = args[:2] + (seeded,) + args[3:]
-    else:
-        kwargs = {**kwargs, "loss_func": seeded}
+    args, kwargs = with_argument(args, kwargs, 2, "loss_func", seeded)
     result = wrapped(*args, **kwargs)
     if not per_token:
         # an MoE layer run one sequence at a time (tp_invariant.micro_batch): each call's aux loss is

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from megapatch.core.call_args import argument
+from megapatch.core.call_args import argument, with_argument
 from megapatch.core.registry import Target
 from megapatch.numerics import block_tree as tpi
 from megapatch.patches.tp_invariant._mode import tp_invariant_patch
@@ -59,10 +59,7 @@ def _thd_rope(wrapped, instance, args, kwargs):
     cut = rows_from_zero(cu_seqlens, freqs, cp_group.size() if cp_group is not None else 1)
     if cut is None:
         return wrapped(*args, **kwargs)
-    if len(args) > 2:
-        args = args[:2] + (cut,) + args[3:]
-    else:
-        kwargs = {**kwargs, "freqs": cut}
+    args, kwargs = with_argument(args, kwargs, 2, "freqs", cut)
     return wrapped(*args, **kwargs)
 
 

@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 import torch
 
 from megapatch.core import state
-from megapatch.core.call_args import argument
+from megapatch.core.call_args import argument, with_argument
 from megapatch.core.errors import UnsupportedConfigurationError, UpstreamSurfaceError
 from megapatch.core.scope import scoped
 from megapatch.numerics import fp32_collectives
@@ -248,10 +248,7 @@ def general_grouped_gemm(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     out = argument(args, kwargs, 2, "out")
     accumulator = torch.empty_like(out[0], dtype=torch.float32)
-    if len(args) > 2:
-        args = (*args[:2], [accumulator], *args[3:])
-    else:
-        kwargs = dict(kwargs, out=[accumulator])
+    args, kwargs = with_argument(args, kwargs, 2, "out", [accumulator])
     result = wrapped(*args, **kwargs)
     out[0].copy_(accumulator)  # TE goes on with the rounded output
     handed.accumulator, handed.rounded = accumulator, out[0]
