@@ -374,3 +374,67 @@ def test_the_doctor_refuses_from_the_flags_what_the_run_refuses_when_te_layers_a
         return
     assert doctor is not None and flag in doctor, survey["flags"]["refusals"]
     assert run is not None and flag in run and "tp_invariant was set by" in run, run
+
+
+# -- packed (THD) sequences through TEDotProductAttention (issue 49) ------------------------------
+
+def _te_packed_attention(ctx):
+    """A TE attention built under the mode: three sequences (37, 64, 5 tokens) each run alone ([s, 1,
+    heads, dim]) and packed in one THD bin with garbage rows between them, under both causal mask types
+    a packed bin may carry; outputs and q, k, v gradients, and the TE kernels called."""
+    import megapatch
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megapatch.testing.models.tiny_gpt import llama_config
+    from megapatch.testing.stand_ins.te_runtime import te_cpu_runtime
+    from tests.test_tp_invariant_attention_blocks import _params
+
+    heads, groups = SHAPE["num_attention_heads"], SHAPE["num_query_groups"]
+    dim = SHAPE["hidden_size"] // heads
+    lengths, pads = (37, 64, 5), (3, 0, 11)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [[torch.randn(n, h, dim, generator=gen).bfloat16() for h in (heads, groups, groups, heads)]
+            for n in lengths]  # q, k, v, the output's cotangent
+    garbage = [[torch.randn(p, *t.shape[1:], generator=gen).bfloat16() for t in s] for s, p in zip(seqs, pads)]
+
+    def run(attn, qkv, cotangent, **kwargs):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        with torch.enable_grad():
+            out = attn(*leaves, None, AttnMaskType.causal, **kwargs)
+            (out.float() * cotangent.reshape(out.shape).float()).sum().backward()
+        return out.detach().reshape(qkv[0].shape[0], -1), [t.grad for t in leaves]
+
+    megapatch.enable(tp_invariant=True)
+    try:
+        with te_cpu_runtime() as calls:
+            attn = TEDotProductAttention(llama_config(tp=1, **SHAPE), layer_number=1,
+                                         attn_mask_type=AttnMaskType.causal, attention_type="self")
+            alone = [run(attn, [t.unsqueeze(1) for t in s[:3]], s[3]) for s in seqs]
+            packed = {}
+            for mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal):
+                bin_ = [torch.cat([t for s, g in zip(seqs, garbage) for t in (s[j], g[j])]) for j in range(4)]
+                attn.attn_mask_type = mask_type
+                packed[mask_type.name] = run(attn, bin_[:3], bin_[3], packed_seq_params=_params(lengths, pads))
+            kernels = sorted(set(calls))
+    finally:
+        megapatch.disable()
+    return alone, packed, kernels
+
+
+@pytest.mark.quick("tp_invariant.transformer_engine")  # runs where TE is installed (CI's te stage)
+def test_packed_sequences_through_te_attention_each_have_the_bits_they_have_alone():
+    """Under the mode TE's attention takes a THD bin as the mode's local attention does: every sequence's
+    output and q, k, v gradients equal those of the sequence run alone through the same TE module, bit
+    for bit, wherever it sits; the rows between sequences are zeros; no TE kernel runs."""
+    alone, packed, kernels = run_ranks(_te_packed_attention, world_size=1, tp=1, timeout=300)[0]
+    assert kernels == [], kernels
+    lengths, pads = (37, 64, 5), (3, 0, 11)
+    for mask_type, (out, grads) in packed.items():
+        row = 0
+        for i, (n, pad) in enumerate(zip(lengths, pads)):
+            assert torch.equal(out[row:row + n], alone[i][0]), (mask_type, i)
+            assert torch.equal(out[row + n:row + n + pad], torch.zeros_like(out[row + n:row + n + pad])), mask_type
+            for name, g, expected in zip("qkv", grads, alone[i][1]):
+                assert torch.equal(g[row:row + n], expected.squeeze(1)), (mask_type, i, name)
+            row += n + pad

@@ -255,15 +255,15 @@ def _local_attention(te_attention):
 def _attention_forward(wrapped, instance, args, kwargs):
     if not tpi.active():
         return wrapped(*args, **kwargs)
-    if argument(args, kwargs, 6, "packed_seq_params", None) is not None:
-        _refuse("packed sequences (THD) in TEDotProductAttention",
-                "the local attention the mode runs takes [s, b, heads, dim] sequences")
     local = _local_attention(instance)
     local.train(instance.training)
+    # packed (THD) sequences too: the mode's local attention attends each sequence of the bin alone
+    # and returns TE's THD output layout, [t, heads x dim]; a CP group in them is refused there
     return local(argument(args, kwargs, 0, "query"), argument(args, kwargs, 1, "key"),
                  argument(args, kwargs, 2, "value"), argument(args, kwargs, 3, "attention_mask"),
                  attn_mask_type=argument(args, kwargs, 4, "attn_mask_type", None),
-                 attention_bias=argument(args, kwargs, 5, "attention_bias", None))
+                 attention_bias=argument(args, kwargs, 5, "attention_bias", None),
+                 packed_seq_params=argument(args, kwargs, 6, "packed_seq_params", None))
 
 
 # -- construction --------------------------------------------------------------------------------
