@@ -301,3 +301,26 @@ def test_a_chosen_attention_backend_is_accepted_with_a_line_saying_what_runs_ins
     assert survey(chosen + ["--attention-backend", "auto"])["flags"]["notes"] == {}
     monkeypatch.delenv("MEGAPATCH_TP_INVARIANT")
     assert survey(flags)["flags"]["notes"] == {}  # the mode off: flash runs
+
+
+def test_packed_bins_are_accepted_with_a_line_saying_what_packing_under_the_mode_gives_and_what_not(monkeypatch):
+    """Issue 49: ``--rl-use-sequence-packing`` under the mode runs (each sequence attended and rotated alone);
+    the doctor says so, and that packed and unpacked steps are not yet bit-identical -- the line the job
+    logs at its first bin of several sequences (tests/test_tp_invariant_attention_blocks.py)."""
+    import megatron.core  # noqa: F401
+
+    from megapatch.patches.tp_invariant.attention import PACKING_NOTE
+
+    monkeypatch.setenv("MEGAPATCH_TP_INVARIANT", "1")
+    result = survey(TINY + ["--rl-use-sequence-packing"])
+    assert result["result"]["code"] == 0 and result["flags"]["refusals"] == {}, result["result"]
+    assert result["flags"]["notes"] == {"tp_invariant.attention": PACKING_NOTE}
+    for words in ("attended and RoPE-rotated alone", "not bit-identical to a step on the same sequences unpacked",
+                  "context parallelism stays refused"):
+        assert words in PACKING_NOTE
+    assert f"NOTE from tp_invariant.attention (the job logs it too): {PACKING_NOTE}" in render_doctor(result)
+    assert survey(TINY)["flags"]["notes"] == {}
+    refused = survey(TINY + ["--rl-use-sequence-packing", "--context-parallel-size", "2"])
+    assert "--context-parallel-size" in refused["flags"]["refusals"]["tp_invariant.construction"], refused["flags"]
+    monkeypatch.delenv("MEGAPATCH_TP_INVARIANT")
+    assert survey(TINY + ["--rl-use-sequence-packing"])["flags"]["notes"] == {}

@@ -233,6 +233,32 @@ def test_each_packed_sequence_has_the_bits_it_has_alone_forward_and_gradients():
     assert all(torch.equal(g, e) for g, e in zip(got[1][1], alone[1][1]))
 
 
+def test_the_first_bin_of_several_sequences_logs_the_doctors_packing_line_once(monkeypatch):
+    """The job's word on packing (issue 49), the line ``megapatch doctor`` prints for
+    ``--rl-use-sequence-packing``: logged once (rank 0) at the first bin holding two or more sequences,
+    not for a bin of one sequence (Megatron RL's no-op THD default)."""
+    import logging
+
+    from megapatch.core import report
+    from megapatch.patches.tp_invariant.attention import PACKING_NOTE
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("megapatch").addHandler(handler)
+    monkeypatch.setattr(report, "_said", set())
+    try:
+        seqs = _sequences(0)
+        one = seqs[1]
+        _local(*one[:3], True, packed=_params([len(one[0])], [0]))
+        assert not any("packed sequences" in line for line in lines), lines
+        for _ in range(2):
+            _packed(seqs, (0, 1), (0, 2))
+    finally:
+        logging.getLogger("megapatch").removeHandler(handler)
+    assert lines.count(PACKING_NOTE) == 1, lines
+
+
 def test_packed_sequences_the_mode_does_not_cover_are_refused_naming_the_option():
     from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -136,7 +136,7 @@ PACKED_BINS = re.compile(r"Packing distribution: (\d+) bins, avg [0-9.]+ seqs/bi
 
 @pytest.mark.slow
 @pytest.mark.resumes
-def test_train_rl_with_sequence_packing_logs_zero_mismatch_when_bins_hold_several_sequences(rl_checkout):
+def test_train_rl_with_sequence_packing_logs_zero_mismatch_when_bins_hold_several_sequences(rl_checkout, monkeypatch):
     """``--rl-use-sequence-packing`` with bins of 128 tokens (issue 49): the second step packs two
     sequences into a bin, and its logged mismatch is still exactly 0 under the mode (it was 3.55e-5
     before ``tp_invariant.packed_rope``: upstream rotated a bin's second sequence from its offset in the
@@ -152,6 +152,14 @@ def test_train_rl_with_sequence_packing_logs_zero_mismatch_when_bins_hold_severa
     assert [_mismatch(s) for s in steps] == [(0.0, 1.0, 1.0)] * 2, steps
     norms = _grad_norms(job)
     assert len(norms) == 2 and all(n > 0 for n in norms), norms
+    # the doctor, given the job's flags and variables, says the line the job logged once (rank 0)
+    from megapatch.patches.tp_invariant.attention import PACKING_NOTE
+    from tests.test_doctor import _flags_survey
+
+    assert job.log.count(PACKING_NOTE) == 1, job.tail()
+    flags = job.command[job.command.index("train_rl.py") + 1:]
+    survey = _flags_survey(monkeypatch, flags, **ZERO_MODE)
+    assert survey["flags"]["refusals"] == {} and survey["flags"]["notes"] == {"tp_invariant.attention": PACKING_NOTE}
 
 
 @pytest.mark.slow

@@ -148,6 +148,7 @@ def config_from_flags(argv: Sequence[str]) -> types.SimpleNamespace:
         # Megatron-LM main's --output-logit-dtype {bf16,fp32} (dest logit_dtype; PR #6252)
         logit_dtype=_value(argv, "--output-logit-dtype"),
         seq_length=_int(argv, "--seq-length", None),
+        rl_use_sequence_packing="--rl-use-sequence-packing" in flags,  # train_rl.py's packed bins (THD)
         attention_backend=_value(argv, "--attention-backend") or "auto",  # AttnBackend's name
         # the vocabulary: the padded size the model is built with, and the flags that set it
         padded_vocab_size=_padded_vocab_size(argv, tp),

@@ -25,13 +25,27 @@ from __future__ import annotations
 
 import torch
 
-from megapatch.core import state
+from megapatch.core import report, state
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
 from megapatch.numerics.attention import repeat_groups, row_invariant_attention
 from megapatch.patches.tp_invariant._mode import refuse_tp_invariant, tp_invariant_patch
 
 DOT_PRODUCT_ATTENTION = "megatron.core.transformer.dot_product_attention"
+
+
+#: said once per job (rank 0) at the first bin of several sequences, and by ``megapatch doctor --
+#: <flags>`` for ``--rl-use-sequence-packing``: what packing under the mode gives, and what not yet
+PACKING_NOTE = ("megapatch tp_invariant: packed sequences (THD bins, --rl-use-sequence-packing): each sequence of a "
+                "bin is attended and RoPE-rotated alone, as the rollout engine computes it (trainer log-probs equal "
+                "the rollout's); a bin's weight gradients are still summed over its tokens as one micro-batch, so a "
+                "step on packed bins is not bit-identical to a step on the same sequences unpacked; context "
+                "parallelism stays refused (docs/tp_invariant.md)")
+
+
+def packing_note(config):
+    """The record's ``notes``: the packing line for a Megatron-LM job's flags (``megapatch doctor``)."""
+    return PACKING_NOTE if getattr(config, "rl_use_sequence_packing", False) else None
 
 
 def _plain_local_attention(instance, bias) -> bool:
@@ -92,6 +106,8 @@ def packed_attention(query, key, value, mask, mask_type, packed, scale):
     if len(q_lengths) != len(k_lengths) or q_starts[-1] > tokens or k_starts[-1] > key.shape[0]:
         refuse_tp_invariant("packed_seq_params whose cu_seqlens_q and cu_seqlens_kv disagree or overrun the "
                             f"{tokens} packed tokens", "each sequence's queries need their keys")
+    if sum(1 for n in q_lengths if n) > 1:
+        report.once("tp_invariant:packing", "warning", PACKING_NOTE)
     pieces, row = [], 0
     for start, rows, k_start, keys in zip(q_starts, q_lengths, k_starts, k_lengths):
         if start > row:
@@ -144,5 +160,6 @@ PATCHES = (
         targets=(Target(DOT_PRODUCT_ATTENTION, "DotProductAttention.forward", _local_attention, kind="method",
                         params=("self", "query", "key", "value", "attention_mask", "attn_mask_type",
                                 "attention_bias", "packed_seq_params")),),
+        notes=packing_note,
     ),
 )
