@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from megapatch.numerics import block_tree as tpi
-from megapatch.numerics.gradient_terms import by_sequence, by_source, sequences, source_terms
+from megapatch.numerics import packed_bins
+from megapatch.numerics.gradient_terms import by_sequence, by_source, cut, cuts, source_terms
 
 
 class ColumnParallel(torch.autograd.Function):
@@ -28,6 +29,7 @@ class ColumnParallel(torch.autograd.Function):
         ctx.params = (weight, bias)
         ctx.has_bias, ctx.group, ctx.reduce_dgrad, ctx.nb = bias is not None, group, reduce_dgrad, nb
         ctx.halves, ctx.dgrad_on_root, ctx.sources = halves, dgrad_on_root, sources
+        ctx.packed = packed_bins.current(x)
         xs = x.reshape(-1, x.shape[-1])
         x2 = tpi.operand(xs) if sources is None else None
         outs = []
@@ -63,12 +65,13 @@ class ColumnParallel(torch.autograd.Function):
             wgrad = source_terms(ctx.params[0], [torch.cat(blocks, dim=0) for blocks in zip(*wgrads)], sources,
                               weight.dtype)
         elif ctx.needs_input_grad[1]:
-            wgrad = by_sequence(ctx.params[0], sequences(x),
-                                lambda i: _column_wgrad(tpi.sequence(x, i), tpi.sequence(grad, i), layout, weight.dtype),
+            packed = ctx.packed
+            wgrad = by_sequence(ctx.params[0], cuts(x, packed),
+                                lambda i: _column_wgrad(cut(x, i, packed), cut(grad, i, packed), layout, weight.dtype),
                                 lambda: _column_wgrad(x, grad, layout, weight.dtype))
         if ctx.has_bias:
-            bgrad = by_sequence(ctx.params[1], sequences(grad),
-                                lambda i: _column_bgrad(tpi.sequence(grad, i), layout, weight.dtype),
+            bgrad = by_sequence(ctx.params[1], cuts(grad, ctx.packed),
+                                lambda i: _column_bgrad(cut(grad, i, ctx.packed), layout, weight.dtype),
                                 lambda: _column_bgrad(grad, layout, weight.dtype))
         return dgrad, wgrad, bgrad, None, None, None, None, None, None, None
 
@@ -97,6 +100,7 @@ class RowParallel(torch.autograd.Function):
     def forward(ctx, x, weight, group, nb, on_root_only=False, sources=None):
         ctx.save_for_backward(x, weight)
         ctx.nb, ctx.sources, ctx.param = nb, sources, weight
+        ctx.packed = packed_bins.current(x)
         x2 = x.reshape(-1, x.shape[-1])
         partials = [by_source(lambda rows, sl=sl: tpi.token_product(tpi.operand(x2[rows, sl]), tpi.operand(weight[:, sl]).t()),
                                sources, x2.shape[0]).view(*x.shape[:-1], weight.shape[0])
@@ -126,8 +130,9 @@ class RowParallel(torch.autograd.Function):
             wgrad = source_terms(ctx.param, [torch.cat(blocks, dim=-1) for blocks in zip(*wgrads)], sources,
                               weight.dtype)
         elif ctx.needs_input_grad[1]:
-            wgrad = by_sequence(ctx.param, sequences(x),
-                                lambda i: _row_wgrad(tpi.sequence(x, i), tpi.sequence(grad, i), blocks, weight.dtype),
+            packed = ctx.packed
+            wgrad = by_sequence(ctx.param, cuts(x, packed),
+                                lambda i: _row_wgrad(cut(x, i, packed), cut(grad, i, packed), blocks, weight.dtype),
                                 lambda: _row_wgrad(x, grad, blocks, weight.dtype))
         return dgrad, wgrad, None, None, None, None
 

@@ -26,6 +26,18 @@ def sequences(t: torch.Tensor) -> int:
     return t.shape[1] if t.dim() >= 3 else 1
 
 
+def cuts(t: torch.Tensor, packed) -> int:
+    """The sequences a weight gradient over ``t``'s tokens is cut into: a packed bin's segments
+    (``packed_bins.PackedBin``), else the micro-batch's sequences."""
+    return packed.count() if packed is not None else sequences(t)
+
+
+def cut(t: torch.Tensor, i: int, packed) -> torch.Tensor:
+    """Sequence ``i`` of ``t`` as an unpacked micro-batch of it alone holds it: a packed bin's segment at
+    the top of a zero frame of the bin's length, else column ``i`` of the ``[s, b, ...]`` layout."""
+    return packed.frame(t, i) if packed is not None else tpi.sequence(t, i)
+
+
 def tied(param) -> bool:
     """A weight two layers of one pipeline stage use (tied embeddings at PP 1: megatron-core marks
     it ``zero_out_wgrad``): autograd would add its two gradients in one ``.grad`` per micro-batch."""

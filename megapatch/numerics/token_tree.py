@@ -13,7 +13,8 @@ from megapatch.core import state
 from megapatch.core.errors import OptionError
 from megapatch.numerics.block_shapes import WIDTH_OPTION
 from megapatch.numerics import block_tree as tpi
-from megapatch.numerics.gradient_terms import by_sequence, sequences
+from megapatch.numerics import packed_bins
+from megapatch.numerics.gradient_terms import by_sequence, cut, cuts
 
 
 def _token_tree(grad: torch.Tensor, factor: Optional[torch.Tensor], group, nb: int,
@@ -34,6 +35,41 @@ def _token_tree(grad: torch.Tensor, factor: Optional[torch.Tensor], group, nb: i
         parts = [(tpi.f32(g2[sl]) if f2 is None else tpi.f32(g2[sl]) * tpi.f32(f2[sl])).sum(dim=0)
                  for sl in tpi.slices(g2.shape[0], nb)]
     return _token_sum(parts, group if split or heads else None)
+
+
+def _gather_rows(t: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty((tpi.group_size(group) * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    tpi.all_gather_single(out, t.contiguous(), group=group)
+    return out
+
+
+def _per_sequence(ctx, param, grad: torch.Tensor, factor: Optional[torch.Tensor], dtype) -> torch.Tensor:
+    """``param``'s gradient, the sum over tokens of ``grad`` (times ``factor``) under the fixed tree, as
+    ``gradient_terms.by_sequence`` takes it: one term per sequence of the micro-batch, or per segment of a
+    packed bin (``ctx.packed``). A bin split by sequence parallelism is gathered first (a segment's frame
+    starts at its own first row, not at a rank's), its terms then summed over all W token blocks on each
+    rank and kept on the group's rank 0 -- the tree the split sum computes, over the frame's blocks."""
+    packed, group = ctx.packed, ctx.group
+
+    def whole():
+        return _token_tree(grad, factor, group, ctx.nb, ctx.split, ctx.heads).to(dtype)
+
+    t = tpi.group_size(group)
+    if packed is None or not ctx.split or ctx.heads or t == 1:
+        return by_sequence(param, cuts(grad, packed), lambda i: _token_tree(
+            cut(grad, i, packed), None if factor is None else cut(factor, i, packed),
+            group, ctx.nb, ctx.split, ctx.heads).to(dtype), whole)
+    gathered = {}
+
+    def term(i):
+        if not gathered:
+            gathered["grad"] = _gather_rows(grad, group)
+            gathered["factor"] = None if factor is None else _gather_rows(factor, group)
+        g, f = gathered["grad"], gathered["factor"]
+        total = _token_tree(packed.frame(g, i), None if f is None else packed.frame(f, i), None, ctx.nb * t, False)
+        return tpi.on_root(total, group).to(dtype)
+
+    return by_sequence(param, packed.count(), term, whole)
 
 
 def _token_sum(parts: Sequence[torch.Tensor], group) -> torch.Tensor:
@@ -82,6 +118,7 @@ class TokenBlockedAffine(torch.autograd.Function):
         ctx.save_for_backward(normalised, weight)
         ctx.params = (weight, bias)
         ctx.has_bias, ctx.group, ctx.nb, ctx.split, ctx.heads = bias is not None, group, nb, split, heads
+        ctx.packed = packed_bins.current(normalised, tpi.group_size(group) if split and not heads else 1)
         out = normalised * weight.float()
         if bias is not None:
             out = out + bias.float()
@@ -91,15 +128,8 @@ class TokenBlockedAffine(torch.autograd.Function):
     def backward(ctx, grad):
         normalised, weight = ctx.saved_tensors
         dnormalised = grad.float() * weight.float() if ctx.needs_input_grad[0] else None
-        def tree(param, factor):
-            return by_sequence(
-                param, sequences(grad),
-                lambda i: _token_tree(tpi.sequence(grad, i), None if factor is None else tpi.sequence(factor, i),
-                                      ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype),
-                lambda: _token_tree(grad, factor, ctx.group, ctx.nb, ctx.split, ctx.heads).to(weight.dtype))
-
-        dweight = tree(ctx.params[0], normalised)
-        dbias = tree(ctx.params[1], None) if ctx.has_bias else None
+        dweight = _per_sequence(ctx, ctx.params[0], grad, normalised, weight.dtype)
+        dbias = _per_sequence(ctx, ctx.params[1], grad, None, weight.dtype) if ctx.has_bias else None
         return dnormalised, dweight, dbias, None, None, None, None, None
 
 
@@ -110,14 +140,14 @@ class TokenBlockedBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bias, shape, group, nb, split):
         ctx.group, ctx.nb, ctx.split, ctx.dtype, ctx.param = group, nb, split, bias.dtype, bias
-        return bias.expand(shape).clone()
+        ctx.heads = False
+        out = bias.expand(shape).clone()
+        ctx.packed = packed_bins.current(out, tpi.group_size(group) if split else 1)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        dbias = by_sequence(ctx.param, sequences(grad),
-                            lambda i: _token_tree(tpi.sequence(grad, i), None, ctx.group, ctx.nb, ctx.split).to(ctx.dtype),
-                            lambda: _token_tree(grad, None, ctx.group, ctx.nb, ctx.split).to(ctx.dtype))
-        return dbias, None, None, None, None
+        return _per_sequence(ctx, ctx.param, grad, None, ctx.dtype), None, None, None, None
 
 
 class TokenBlockedLinear(torch.autograd.Function):

@@ -20,6 +20,7 @@ loss_scale              the loss scale applied once; the loss report in FP64
 micro_batch             the word embedding's weight gradient per sequence (any micro-batch size)
 attention               core attention (training): one arithmetic for training and decode
 packed_rope             RoPE of packed (THD) sequences: each sequence rotated from position 0
+packed_bins             a packed bin's weight gradients cut at its sequences (terms of the exact sum)
 engine_attention        the dynamic inference engine's attention, same arithmetic
 rl_logprobs             Megatron RL's trainer log-probs in the rollout engine's arithmetic
 rl_refit                Megatron RL's refit: experts matched by global index at EP > 1

@@ -24,18 +24,44 @@ from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
 from megapatch.numerics import block_tree as tpi
 from megapatch.numerics import gradient_terms
+from megapatch.numerics import packed_bins
 from megapatch.numerics import per_sequence
 from megapatch.patches._common import LAYERS
 from megapatch.patches.tp_invariant._mode import tp_invariant_patch
+
+
+def _packed_embedding(instance, tokens, packed):
+    """A packed bin's lookup one segment at a time (``numerics.packed_bins``), each segment's weight
+    gradient a term of its own. Under sequence parallelism each segment's lookup is TP-summed whole (one
+    non-zero per token: the same bits as upstream's reduce-scatter) and the bin then cut to this rank's
+    rows, whose backward gathers the rows' gradients as upstream's reduce-scatter backward does."""
+    scatter = bool(getattr(instance, "reduce_scatter_embeddings", False))
+    instance.reduce_scatter_embeddings = False
+    try:
+        outputs = per_sequence.run_per_sequence(
+            instance, packed.count(), lambda i: ((tokens[:, slice(packed.segments[i][0], sum(packed.segments[i]))],), {}),
+            lambda i: {"weight": per_sequence.term_view(instance.weight, i)})
+    finally:
+        instance.reduce_scatter_embeddings = scatter
+    output = torch.cat(outputs, dim=1)  # [1, rows, h], upstream's layout without the reduce-scatter
+    if not scatter:
+        return output
+    from megapatch.numerics.block_linear import ScatterSequence
+
+    return ScatterSequence.apply(output.transpose(0, 1).contiguous(), instance.tp_group)
 
 
 def _embedding_forward(wrapped, instance, args, kwargs):
     tokens = argument(args, kwargs, 0, "input_")
     weight = instance.weight
     if (per_sequence.inside() or not tpi.active() or tokens.dim() != 2
-            or (tokens.shape[0] < 2 and not gradient_terms.tied(weight))
             or not (torch.is_grad_enabled() and weight.requires_grad)
             or getattr(weight, gradient_terms.SEQUENCE_TERMS, None) is None):
+        return wrapped(*args, **kwargs)
+    packed = packed_bins.for_tokens(tokens)
+    if packed is not None:
+        return _packed_embedding(instance, tokens, packed)
+    if tokens.shape[0] < 2 and not gradient_terms.tied(weight):
         return wrapped(*args, **kwargs)
     outputs = per_sequence.run_per_sequence(instance, tokens.shape[0], lambda i: ((tokens[i:i + 1],), {}),
                                             lambda i: {"weight": per_sequence.term_view(weight, i)})
