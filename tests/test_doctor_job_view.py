@@ -304,21 +304,27 @@ def test_a_chosen_attention_backend_is_accepted_with_a_line_saying_what_runs_ins
 
 
 def test_packed_bins_are_accepted_with_a_line_saying_what_packing_under_the_mode_gives_and_what_not(monkeypatch):
-    """Issue 49: ``--rl-use-sequence-packing`` under the mode runs (each sequence attended and rotated alone);
-    the doctor says so, and that packed and unpacked steps are not yet bit-identical -- the line the job
-    logs at its first bin of several sequences (tests/test_tp_invariant_attention_blocks.py)."""
+    """Issue 49: ``--rl-use-sequence-packing`` under the mode runs (each sequence attended and rotated alone,
+    its gradients cut); the doctor says so and what it needs to equal an unpacked step -- the line the job
+    logs at its first bin of several sequences (tests/test_tp_invariant_attention_blocks.py) -- and, for
+    a model with experts, that their gradients are not cut yet."""
     import megatron.core  # noqa: F401
 
-    from megapatch.patches.tp_invariant.attention import PACKING_NOTE
+    from megapatch.patches.tp_invariant.attention import packing_line
 
     monkeypatch.setenv("MEGAPATCH_TP_INVARIANT", "1")
     result = survey(TINY + ["--rl-use-sequence-packing"])
     assert result["result"]["code"] == 0 and result["flags"]["refusals"] == {}, result["result"]
-    assert result["flags"]["notes"] == {"tp_invariant.attention": PACKING_NOTE}
-    for words in ("attended and RoPE-rotated alone", "not bit-identical to a step on the same sequences unpacked",
+    note = result["flags"]["notes"]["tp_invariant.attention"]
+    assert list(result["flags"]["notes"]) == ["tp_invariant.attention"] and note == packing_line(None)
+    for words in ("attended and RoPE-rotated alone", "agree bit for bit", "--calculate-per-token-loss",
                   "context parallelism stays refused"):
-        assert words in PACKING_NOTE
-    assert f"NOTE from tp_invariant.attention (the job logs it too): {PACKING_NOTE}" in render_doctor(result)
+        assert words in note, words
+    assert "MoE" not in note
+    assert f"NOTE from tp_invariant.attention (the job logs it too): {note}" in render_doctor(result)
+    moe = survey(TINY + ["--rl-use-sequence-packing", "--num-experts", "4", "--moe-token-dispatcher-type",
+                         "alltoall", "--disable-bias-linear"])["flags"]["notes"].get("tp_invariant.attention", "")
+    assert "router and routed experts are not cut per sequence yet" in moe, moe
     assert survey(TINY)["flags"]["notes"] == {}
     refused = survey(TINY + ["--rl-use-sequence-packing", "--context-parallel-size", "2"])
     assert "--context-parallel-size" in refused["flags"]["refusals"]["tp_invariant.construction"], refused["flags"]

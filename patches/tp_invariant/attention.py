@@ -34,18 +34,24 @@ from megapatch.patches.tp_invariant._mode import refuse_tp_invariant, tp_invaria
 DOT_PRODUCT_ATTENTION = "megatron.core.transformer.dot_product_attention"
 
 
-#: said once per job (rank 0) at the first bin of several sequences, and by ``megapatch doctor --
-#: <flags>`` for ``--rl-use-sequence-packing``: what packing under the mode gives, and what not yet
-PACKING_NOTE = ("megapatch tp_invariant: packed sequences (THD bins, --rl-use-sequence-packing): each sequence of a "
-                "bin is attended and RoPE-rotated alone, as the rollout engine computes it (trainer log-probs equal "
-                "the rollout's); a bin's weight gradients are still summed over its tokens as one micro-batch, so a "
-                "step on packed bins is not bit-identical to a step on the same sequences unpacked; context "
-                "parallelism stays refused (docs/tp_invariant.md)")
+def packing_line(config) -> str:
+    """What packing under the mode gives, and what not (yet): said once per job (rank 0) at the first bin
+    of several sequences, and by ``megapatch doctor -- <flags>`` for ``--rl-use-sequence-packing``."""
+    line = ("megapatch tp_invariant: packed sequences (THD bins, --rl-use-sequence-packing): each sequence of a bin "
+            "is attended and RoPE-rotated alone, as the rollout engine computes it (trainer log-probs equal the "
+            "rollout's), and its weight gradients are terms of their own, as an unpacked micro-batch's "
+            "(tp_invariant.packed_bins): packed and unpacked steps of the same sequences agree bit for bit where "
+            "upstream weighs their tokens alike, with --calculate-per-token-loss (without it upstream divides "
+            "each bin's or micro-batch's loss by its own token count)")
+    if getattr(config, "num_moe_experts", None):
+        line += ("; but an MoE layer's router and routed experts are not cut per sequence yet, so with experts a "
+                 "packed step is not bit-identical to an unpacked one")
+    return line + "; context parallelism stays refused (docs/tp_invariant.md)"
 
 
 def packing_note(config):
     """The record's ``notes``: the packing line for a Megatron-LM job's flags (``megapatch doctor``)."""
-    return PACKING_NOTE if getattr(config, "rl_use_sequence_packing", False) else None
+    return packing_line(config) if getattr(config, "rl_use_sequence_packing", False) else None
 
 
 def _plain_local_attention(instance, bias) -> bool:
@@ -77,7 +83,7 @@ def _starts(packed, which: str):
     return starts, lengths
 
 
-def packed_attention(query, key, value, mask, mask_type, packed, scale):
+def packed_attention(query, key, value, mask, mask_type, packed, scale, config=None):
     """Packed (THD) sequences: ``query`` [t, heads, hn] (or [t, 1, heads, hn]), ``key``/``value`` [t, groups,
     hn], sequence i at rows ``cu_seqlens_*_padded[i]`` (or ``cu_seqlens_*[i]``) on, for
     ``cu_seqlens_*[i + 1] - cu_seqlens_*[i]`` rows. Each sequence runs alone through the mode's attention
@@ -107,7 +113,7 @@ def packed_attention(query, key, value, mask, mask_type, packed, scale):
         refuse_tp_invariant("packed_seq_params whose cu_seqlens_q and cu_seqlens_kv disagree or overrun the "
                             f"{tokens} packed tokens", "each sequence's queries need their keys")
     if sum(1 for n in q_lengths if n) > 1:
-        report.once("tp_invariant:packing", "warning", PACKING_NOTE)
+        report.once("tp_invariant:packing", "warning", packing_line(config))
     pieces, row = [], 0
     for start, rows, k_start, keys in zip(q_starts, q_lengths, k_starts, k_lengths):
         if start > row:
@@ -142,7 +148,8 @@ def _local_attention(wrapped, instance, args, kwargs):
     mask = argument(args, kwargs, 3, "attention_mask", None)
     mask_type = argument(args, kwargs, 4, "attn_mask_type", None) or instance.attn_mask_type
     if packed is not None:
-        return packed_attention(query, key, value, mask, mask_type, packed, instance.softmax_scale)
+        return packed_attention(query, key, value, mask, mask_type, packed, instance.softmax_scale,
+                                getattr(instance, "config", None))
     sq, b, heads, dim = query.shape
     causal = mask is None and getattr(mask_type, "name", None) == "causal"
     hidden = mask.bool() if mask is not None else None  # upstream's mask: True where masked, [b|1, np|1, sq, sk]
