@@ -7,7 +7,10 @@ The trainer runs at TP 2 and the rollouts at TP 1 (``--rl-inference-tensor-model
 with a refit of the trained weights before every step's rollouts; hidden 512, FFN 2048 (the
 experts' too)."""
 
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,7 +139,7 @@ PACKED_BINS = re.compile(r"Packing distribution: (\d+) bins, avg [0-9.]+ seqs/bi
 
 @pytest.mark.slow
 @pytest.mark.resumes
-def test_train_rl_with_sequence_packing_logs_zero_mismatch_when_bins_hold_several_sequences(rl_checkout, monkeypatch):
+def test_train_rl_with_sequence_packing_logs_zero_mismatch_when_bins_hold_several_sequences(rl_checkout):
     """``--rl-use-sequence-packing`` with bins of 128 tokens (issue 49): the second step packs two
     sequences into a bin, and its logged mismatch is still exactly 0 under the mode (it was 3.55e-5
     before ``tp_invariant.packed_rope``: upstream rotated a bin's second sequence from its offset in the
@@ -152,13 +155,17 @@ def test_train_rl_with_sequence_packing_logs_zero_mismatch_when_bins_hold_severa
     assert [_mismatch(s) for s in steps] == [(0.0, 1.0, 1.0)] * 2, steps
     norms = _grad_norms(job)
     assert len(norms) == 2 and all(n > 0 for n in norms), norms
-    # the doctor, given the job's flags and variables, says the line the job logged once (rank 0)
-    from tests.test_doctor import _flags_survey
+    # the doctor, run as a user runs it beside the job (from the checkout's root, with the job's flags and
+    # variables: Megatron-LM main's stage has megatron only there), says the line the job logged once (rank 0)
+    from megapatch.testing.ranks.megatron_lm_runs import launch_env
 
     flags = job.command[job.command.index("train_rl.py") + 1:]
-    survey = _flags_survey(monkeypatch, flags, **ZERO_MODE)
-    assert survey["flags"]["refusals"] == {} and list(survey["flags"]["notes"]) == ["tp_invariant.attention"]
-    assert job.log.count(survey["flags"]["notes"]["tp_invariant.attention"]) == 1, job.tail()
+    doctor = subprocess.run([sys.executable, "-m", "megapatch", "doctor", "--json", "--", *flags], capture_output=True,
+                            text=True, timeout=300, env=launch_env(ZERO_MODE), cwd=str(rl_checkout[1]))
+    # (upstream's modules the doctor imports print a line of their own first: "LANG_RL Log directory: ...")
+    report = json.loads(doctor.stdout[doctor.stdout.index("{\n"):])["flags"]
+    assert report["refusals"] == {} and list(report["notes"]) == ["tp_invariant.attention"], (report, doctor.stderr[-2000:])
+    assert job.log.count(report["notes"]["tp_invariant.attention"]) == 1, job.tail()
 
 
 @pytest.mark.slow
