@@ -18,7 +18,7 @@ Left to upstream (the mode's other guarantees hold there, this one does not): at
 offsets (sinks), sliding windows, query-key layer scaling, dropout in training and attention bias (with
 packed sequences these are refused: upstream's local attention takes none). TE's ``DotProductAttention``
 runs as this local attention under the mode (``tp_invariant.transformer_engine``), so it takes this
-arithmetic too (packed sequences there: refused by that patch for now).
+arithmetic too, packed sequences included.
 """
 
 from __future__ import annotations
