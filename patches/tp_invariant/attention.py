@@ -28,6 +28,7 @@ import torch
 from megapatch.core import report, state
 from megapatch.core.call_args import argument
 from megapatch.core.registry import Target
+from megapatch.numerics import packed_bins
 from megapatch.numerics.attention import repeat_groups, row_invariant_attention
 from megapatch.patches.tp_invariant._mode import refuse_tp_invariant, tp_invariant_patch
 
@@ -68,14 +69,11 @@ def _by_head(t, heads):  # [s, b, groups, hn] -> [b, heads, s, hn] (a view until
 
 def _starts(packed, which: str):
     """Where each sequence of the bin starts (``cu_seqlens_*_padded`` where given) and its length."""
-    actual = getattr(packed, f"cu_seqlens_{which}", None)
-    if actual is None:
+    found = packed_bins.bounds(packed, which)
+    if found is None:
         refuse_tp_invariant(f"packed sequences without packed_seq_params.cu_seqlens_{which}",
                             "the mode attends each sequence of the bin on its own and needs its bounds")
-    bounds = actual.tolist()
-    padded = getattr(packed, f"cu_seqlens_{which}_padded", None)
-    starts = padded.tolist() if padded is not None else bounds
-    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    starts, lengths = found
     for i, length in enumerate(lengths):
         if length < 0 or starts[i] + length > starts[i + 1]:
             refuse_tp_invariant(f"packed_seq_params.cu_seqlens_{which}_padded shorter than cu_seqlens_{which}",

@@ -24,10 +24,12 @@ TRANSFORMER_LAYER = "megatron.core.transformer.transformer_layer"
 
 
 def _running(wrapped, packed_seq_params, args, kwargs):
-    packed = packed_bins.from_params(packed_seq_params) if tpi.active() else None
+    if not tpi.active() or packed_bins.running_for(packed_seq_params):  # (a layer inside its block)
+        return wrapped(*args, **kwargs)
+    packed = packed_bins.from_params(packed_seq_params)
     if packed is None:
         return wrapped(*args, **kwargs)
-    with packed_bins.running(packed):
+    with packed_bins.running(packed, packed_seq_params):
         return wrapped(*args, **kwargs)
 
 
